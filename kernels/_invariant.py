@@ -1,0 +1,45 @@
+"""Building blocks of the torch reference backend: reductions whose per-row result never depends
+on the shape of the batch around the row.
+
+Why these two and nothing else: on the CPU build of torch, `torch.matmul` row results change with
+M (M=1 takes a GEMV path) and vectorised reductions/`sigmoid` change with where an element falls
+(vector body vs scalar tail). What was measured to be independent of the surrounding batch is
+(1) a `bmm` whose every batch entry has the same fixed [ROW_TILE, K] x [K, N] shape, and
+(2) elementwise arithmetic plus `exp`, `log`, `rsqrt`, `cos`, `sin`, division. Every reference op
+is composed from these; tests/test_kernels_invariance.py checks each op, not just these helpers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ROW_TILE = 16  # rows per GEMM call: fixed, so the GEMM library sees one shape whatever M is
+
+
+def tiled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [K, N] computed as fixed [ROW_TILE, K] tiles (zero-padded rows)."""
+    m, k = a.shape
+    n = b.shape[1]
+    pad = (-m) % ROW_TILE
+    if pad:
+        a = F.pad(a, (0, 0, 0, pad))
+    tiles = a.reshape(-1, ROW_TILE, k)
+    out = torch.bmm(tiles, b.unsqueeze(0).expand(tiles.shape[0], k, n))
+    return out.reshape(-1, n)[:m]
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over `dim` as a fixed balanced tree of elementwise adds.
+
+    The length is zero-padded to a power of two; because `x + 0 == x` exactly, padding further
+    never changes the result, so a partial vocab chunk sums exactly like a full one.
+    """
+    x = x.movedim(dim, -1)
+    n = x.shape[-1]
+    width = 1 << max(0, (n - 1).bit_length())
+    if width != n:
+        x = F.pad(x, (0, width - n))
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x[..., 0]
