@@ -1,0 +1,128 @@
+"""The RL loop: rollout -> reward -> recompute logp -> compare bitwise -> train -> sync weights.
+
+Every phase is timed (perf/*); the consistency report of a step is logged before training, and in
+strict mode any mismatch stops the run there.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import ray
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from lockstep.framework import settings
+from lockstep.framework.consistency.compare import compare_logp, raise_on_mismatch
+from lockstep.framework.data.dataset import PromptSampler, load_records
+from lockstep.framework.data.rewards import get_reward_fn
+from lockstep.framework.data.tokenizer import TOKENIZER_FILE, tokenizer_for
+from lockstep.framework.placement import Resources, placed
+from lockstep.framework.rollout.base import SamplingParams
+from lockstep.framework.rollout.sampling import sample_seed
+from lockstep.framework.summary import RunSummary
+from lockstep.framework.tracking.tracker import Tracker
+from lockstep.framework.workers import spawn_actor, spawn_rollout
+
+RESOLVED_CONFIG = "config.yaml"
+
+
+class PhaseTimer(dict):
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        yield
+        self[f"perf/{phase}_s"] = self.get(f"perf/{phase}_s", 0.0) + time.perf_counter() - t0
+
+
+@contextmanager
+def ray_cluster():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=True)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def run(cfg: DictConfig, run_dir: Path) -> RunSummary:
+    settings.validate(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RESOLVED_CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    records = load_records(cfg.data.path, cfg.data.prompt_key, cfg.data.label_key)
+    tokenizer = tokenizer_for([r.prompt + r.label for r in records], cfg.model.init_from)
+    tokenizer.save(run_dir / TOKENIZER_FILE)
+    model_config = settings.model_config(cfg, tokenizer.vocab_size)
+    reward_fn = get_reward_fn(cfg.data.reward)
+    prompts = PromptSampler(records, cfg.seed, cfg.data.shuffle)
+    sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k,
+                              cfg.rollout.max_new_tokens)
+    summary = RunSummary(run_dir, cfg.determinism.mode, cfg.trainer.steps)
+
+    with ray_cluster(), placed(Resources(cfg.actor.num_cpus), Resources(cfg.rollout.num_cpus),
+                               cfg.parallel.colocate) as placement:
+        actor = spawn_actor(cfg, placement, model_config, tokenizer)
+        engine = spawn_rollout(cfg, placement, model_config, tokenizer)
+        ray.get(engine.update_weights.remote(actor.weights_for_sync.remote()))  # version 0
+        tracker = Tracker(run_dir, OmegaConf.to_container(cfg.logger, resolve=True),
+                          OmegaConf.to_container(cfg, resolve=True), cfg.trainer.steps, run_dir.name)
+        try:
+            for step in range(1, cfg.trainer.steps + 1):
+                timer, t_step = PhaseTimer(), time.perf_counter()
+                batch = prompts.next_batch(cfg.rollout.prompts_per_step)
+                seeds = [[sample_seed(cfg.seed, step, r.index, j) for j in range(cfg.rollout.n_samples)] for r in batch]
+                with timer("rollout"):
+                    rollout = ray.get(engine.generate.remote([tokenizer.encode(r.prompt) for r in batch], sampling, seeds))
+                with timer("reward"):
+                    group = torch.arange(len(batch)).repeat_interleave(cfg.rollout.n_samples)
+                    texts = [tokenizer.decode(rollout.tokens[b, rollout.prompt_lens[b]:].tolist()) for b in range(rollout.batch_size)]
+                    rewards = torch.tensor([reward_fn(batch[g].prompt, t, batch[g].label) for g, t in zip(group.tolist(), texts)])
+                with timer("logp"):
+                    recomputed = ray.get(actor.compute_logp.remote(rollout))
+                report = compare_logp(rollout.logp, recomputed.logp, rollout.response_mask(),
+                                      rollout.response_tokens(), cfg.logger.worst_tokens)
+                metrics = {**rollout_metrics(rollout, rewards, timer), **report.metrics()}
+                if cfg.determinism.mode == "strict" and report.mismatch_count:
+                    tracker.log_step(step, {**metrics, **timer}, worst_rows(report, tokenizer))
+                    summary.add(step, metrics)
+                    raise_on_mismatch(report, step)
+                with timer("train"):
+                    train_metrics = ray.get(actor.train.remote(rollout, rewards, group, recomputed.logp))
+                with timer("weight_sync"):
+                    sync_timings = ray.get(engine.update_weights.remote(actor.weights_for_sync.remote()))
+                timer["perf/step_s"] = time.perf_counter() - t_step
+                metrics.update({f"train/{k}": v for k, v in train_metrics.items()}, **timer,
+                               **{f"perf/weight_{k}": v for k, v in sync_timings.items()})
+                tracker.log_step(step, metrics, worst_rows(report, tokenizer))
+                summary.add(step, metrics)
+            if cfg.trainer.save_final:
+                ray.get(actor.save.remote(str(run_dir / "checkpoint")))
+                tokenizer.save(run_dir / "checkpoint" / TOKENIZER_FILE)
+            summary.finish("completed")
+        except BaseException as e:
+            summary.finish("failed", error=f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            tracker.close(summary.status == "completed")
+    return summary
+
+
+def rollout_metrics(rollout, rewards: torch.Tensor, timer: PhaseTimer) -> dict:
+    n_tokens = int(rollout.response_lens.sum())
+    return {"rollout/reward_mean": float(rewards.mean()),
+            "rollout/response_len_mean": float(rollout.response_lens.float().mean()),
+            "rollout/truncated_frac": float((~rollout.finished).float().mean()),
+            "rollout/tok_per_s_per_gpu": n_tokens / timer["perf/rollout_s"],  # one device per engine here
+            "rollout/weights_version": rollout.weights_version}
+
+
+def worst_rows(report, tokenizer) -> list[dict]:
+    return [{"sample": t.sample, "position": t.position, "token_id": t.token,
+             "token": tokenizer.vocab[t.token], "rollout_logp": t.rollout_logp,
+             "train_logp": t.train_logp, "abs_diff": t.abs_diff} for t in report.worst]
+
+
+__all__ = ["run"]

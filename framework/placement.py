@@ -1,0 +1,51 @@
+"""Ray placement: one placement group holding the actor and the rollout engine.
+
+colocate=true puts both on one bundle (they time-share its CPUs/GPUs, as in production where
+engines sleep while actors train); colocate=false gives each its own bundle.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+PLACEMENT_TIMEOUT_S = 60
+
+
+@dataclass(frozen=True)
+class Resources:
+    num_cpus: int
+    num_gpus: float = 0.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    group: object
+    actor_bundle: int
+    rollout_bundle: int
+
+    def options(self, bundle: int, res: Resources) -> dict:
+        return {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle)}
+
+
+@contextmanager
+def placed(actor: Resources, rollout: Resources, colocate: bool):
+    if colocate:
+        bundles = [{"CPU": actor.num_cpus + rollout.num_cpus, "GPU": actor.num_gpus + rollout.num_gpus}]
+    else:
+        bundles = [{"CPU": actor.num_cpus, "GPU": actor.num_gpus}, {"CPU": rollout.num_cpus, "GPU": rollout.num_gpus}]
+    bundles = [{k: v for k, v in b.items() if v} for b in bundles]
+    group = placement_group(bundles, strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(group)
+        raise RuntimeError(f"placement group {bundles} could not be placed within {PLACEMENT_TIMEOUT_S} s; "
+                           f"the Ray cluster has {ray.cluster_resources()}")
+    try:
+        yield Placement(group, 0, 0 if colocate else 1)
+    finally:
+        remove_placement_group(group)

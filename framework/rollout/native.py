@@ -1,0 +1,115 @@
+"""Native rollout engine: batched generation with a KV cache on the shared Qwen3 definition.
+
+Prefill runs every prompt at once (right-padded, positions from 0); decode then advances every
+row one token per step. The logprob of each sampled token is computed by the model's
+`token_logp` (lockstep.kernels.linear_logp in lockstep modes) on the final hidden state of the
+row that produced it, with the same temperature and support the trainer will use.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lockstep.framework.models.ops import ops_for_mode
+from lockstep.framework.models.qwen3 import KVCache, Qwen3Config, Qwen3ForCausalLM
+from lockstep.framework.rollout.base import Rollout, RolloutEngine, SamplingParams
+from lockstep.framework.rollout.sampling import pad_supports, sample_row
+from lockstep.framework.weights.sync import WeightPayload, verify_incoming, verify_loaded
+
+FAULTS = ("none", "rollout_logp_reversed_vocab")
+
+
+class NativeRolloutEngine(RolloutEngine):
+    def __init__(self, model_config: dict, *, mode: str, real_vocab_size: int, eos_id: int, pad_id: int,
+                 num_threads: int = 1, inject_fault: str = "none"):
+        torch.set_num_threads(num_threads)
+        if inject_fault not in FAULTS:
+            raise ValueError(f"unknown fault {inject_fault!r}; valid: {', '.join(FAULTS)}")
+        self.cfg = Qwen3Config(**model_config)
+        self.model = Qwen3ForCausalLM(self.cfg, ops_for_mode(mode)).eval().requires_grad_(False)
+        self.real_vocab_size, self.eos_id, self.pad_id = real_vocab_size, eos_id, pad_id
+        self.inject_fault = inject_fault
+        self.version = -1
+
+    # ---- weights -------------------------------------------------------------------------------
+    def update_weights(self, payload: WeightPayload) -> dict:
+        t0 = time.perf_counter()
+        verify_incoming(payload, self.version)
+        t1 = time.perf_counter()
+        self.model.load_hf_state_dict(payload.tensors)
+        verify_loaded(self.model.hf_state_dict().items(), payload)
+        self.version = payload.version
+        return {**payload.timings, "verify_s": t1 - t0, "load_s": time.perf_counter() - t1}
+
+    # ---- generation ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[list[int]]) -> Rollout:
+        if self.version < 0:
+            raise RuntimeError("generate called before the first weight sync")
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seed lists")
+        rows = [p for p, s in zip(prompts, seeds) for _ in s]
+        gens = [torch.Generator().manual_seed(int(s)) for ss in seeds for s in ss]
+        b = len(rows)
+        prompt_lens = torch.tensor([len(p) for p in rows])
+        max_len = int(prompt_lens.max()) + sampling.max_new_tokens
+        if max_len > self.cfg.max_position_embeddings:
+            raise ValueError(f"prompt + max_new_tokens = {max_len} exceeds max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
+        tokens = torch.full((b, max_len), self.pad_id, dtype=torch.long)
+        for i, p in enumerate(rows):
+            tokens[i, : len(p)] = torch.tensor(p)
+
+        cache = KVCache(self.cfg, b, max_len)
+        lp = int(prompt_lens.max())
+        hidden = self.model(tokens[:, :lp], torch.arange(lp).expand(b, lp), cache)
+        last = hidden[torch.arange(b), prompt_lens - 1]  # [B, H]: the state that predicts token 0
+        pos = prompt_lens.clone()  # where each row's next token goes
+        alive = torch.ones(b, dtype=torch.bool)
+        step_logp, step_support, step_alive = [], [], []
+        for _ in range(sampling.max_new_tokens):
+            logits = self.model.logits(last)
+            logits[:, self.real_vocab_size:] = float("-inf")
+            picked = [sample_row(logits[i], sampling, gens[i]) for i in range(b)]
+            nxt = torch.tensor([t for t, _ in picked])
+            support = pad_supports([s for _, s in picked]) if sampling.restricts_support else None
+            step_logp.append(self._token_logp(last, nxt, sampling, support))
+            step_support.append(support)
+            step_alive.append(alive.clone())
+            tokens[alive, pos[alive]] = nxt[alive]
+            still = alive & (nxt != self.eos_id)
+            if not still.any():
+                break
+            # Feed each new token at its own position; finished rows recompute their last slot and
+            # their outputs are discarded (they never reach the cache of a live row).
+            last = self.model(nxt[:, None], pos[:, None], cache)[:, 0]
+            pos = torch.where(still, pos + 1, pos)
+            alive = still
+        return self._assemble(tokens, prompt_lens, step_logp, step_support, step_alive, sampling)
+
+    def _token_logp(self, hidden, targets, sampling: SamplingParams, support):
+        if self.inject_fault == "rollout_logp_reversed_vocab":
+            # Test fault: identical math, reversed reduction order (every real id, listed backwards).
+            if support is None:
+                support = torch.arange(self.real_vocab_size - 1, -1, -1).expand(len(targets), -1)
+            else:
+                support = support.flip(-1)
+        return self.model.token_logp(hidden, targets, temperature=sampling.logp_temperature,
+                                     real_vocab_size=self.real_vocab_size, support_ids=support).logp
+
+    def _assemble(self, tokens, prompt_lens, step_logp, step_support, step_alive, sampling) -> Rollout:
+        alive = torch.stack(step_alive, 1)  # [B, R]: token r was produced by a live row
+        response_lens = alive.sum(1)
+        logp = torch.where(alive, torch.stack(step_logp, 1), torch.zeros(()))
+        support = None
+        if sampling.restricts_support:
+            width = max(s.shape[1] for s in step_support)
+            support = torch.full((*alive.shape, width), -1, dtype=torch.long)
+            for r, s in enumerate(step_support):
+                support[:, r, : s.shape[1]] = torch.where(alive[:, r, None], s, -1)
+        last_tok = tokens.gather(1, (prompt_lens + response_lens - 1)[:, None])[:, 0]
+        finished = last_tok == self.eos_id
+        total = int((prompt_lens + response_lens).max())
+        return Rollout(tokens[:, :total].clone(), prompt_lens, response_lens, logp, support, finished,
+                       self.version, sampling)

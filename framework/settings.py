@@ -1,0 +1,64 @@
+"""Checks on a composed run config that Hydra's schema cannot express, with errors that name the
+valid choices, and the derived values (model shape from the tokenizer) both workers need."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+MODES = ("strict", "off")
+DEVICES = ("cpu",)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _choice(value, valid, key: str):
+    if value not in valid:
+        raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
+
+
+def validate(cfg: DictConfig) -> None:
+    from lockstep.framework.rollout.native import FAULTS
+
+    _choice(cfg.determinism.mode, MODES, "determinism.mode")
+    _choice(cfg.determinism.inject_fault, FAULTS, "determinism.inject_fault")
+    _choice(cfg.parallel.device, DEVICES, "parallel.device")
+    for key in ("tp", "cp", "pp", "dp"):
+        if cfg.parallel[key] != 1 and (cfg.actor.backend == "native" or cfg.rollout.backend == "native"):
+            raise ConfigError(f"parallel.{key}={cfg.parallel[key]}: the native backends run unsharded "
+                              f"(parallel.{key}=1)")
+    if cfg.trainer.steps < 1:
+        raise ConfigError(f"trainer.steps must be >= 1, got {cfg.trainer.steps}")
+    if cfg.rollout.prompts_per_step < 1:
+        raise ConfigError(f"rollout.prompts_per_step must be >= 1, got {cfg.rollout.prompts_per_step}")
+    if cfg.algo.name == "grpo" and cfg.rollout.n_samples < 2:
+        raise ConfigError(f"rollout.n_samples={cfg.rollout.n_samples}: GRPO normalises rewards within "
+                          f"each prompt's group, so it needs n_samples >= 2")
+
+
+def model_config(cfg: DictConfig, tokenizer_vocab: int) -> dict:
+    """The Qwen3Config fields for this run; vocab_size=auto pads the tokenizer's vocab."""
+    m = OmegaConf.to_container(cfg.model, resolve=True)
+    if m["init_from"]:  # the checkpoint's own config.json defines the shape
+        from lockstep.framework.models.qwen3 import CONFIG_FILE, Qwen3Config
+
+        path = Path(m["init_from"]) / CONFIG_FILE
+        if not path.exists():
+            raise ConfigError(f"model.init_from={m['init_from']!r} has no {CONFIG_FILE}")
+        shape = asdict(Qwen3Config.from_hf(json.loads(path.read_text())))
+        if shape["vocab_size"] < tokenizer_vocab:
+            raise ConfigError(f"checkpoint vocab {shape['vocab_size']} < tokenizer vocab {tokenizer_vocab}")
+        return shape
+    vocab = m.pop("vocab_size")
+    multiple = m.pop("pad_vocab_multiple")
+    m.pop("init_from")
+    if vocab == "auto":
+        vocab = -(-tokenizer_vocab // multiple) * multiple
+    elif not isinstance(vocab, int) or vocab < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size={vocab!r} must be 'auto' or an int >= the tokenizer's "
+                          f"{tokenizer_vocab} tokens")
+    return {"vocab_size": vocab, **m}

@@ -1,0 +1,22 @@
+"""One JSON object per line: every step's metrics, then the summary, in the run dir."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class JsonlWriter:
+    def __init__(self, path: Path):
+        self.path = path
+        self._f = path.open("a")
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record, default=float) + "\n")
+        self._f.flush()  # a crash must not lose the steps already run
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

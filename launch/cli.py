@@ -1,0 +1,118 @@
+"""The `lockstep` command.
+
+  lockstep run RECIPE [KEY=VALUE ...]        one run (Hydra overrides)
+  lockstep run RECIPE -m KEY=A,B ...         a Hydra multirun sweep
+  lockstep recipes                           list the recipes
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from lockstep.launch.overrides import BadOverride, check_overrides
+from lockstep.launch.recipes import UnknownRecipe, check_recipe, listing
+
+_results: list = []  # one RunSummary per job of this invocation
+
+
+@hydra.main(config_path="pkg://lockstep.recipes", config_name=None, version_base="1.3")
+def _job(cfg: DictConfig) -> None:
+    from lockstep.framework.driver import run
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode.name == "MULTIRUN"
+    try:
+        summary = run(cfg, run_dir)
+    except Exception as e:  # noqa: BLE001 - reported below, and the exit code says failed
+        from lockstep.framework.summary import RunSummary, SUMMARY_FILE
+
+        print(f"\nlockstep: run failed: {type(e).__name__}: {e}", file=sys.stderr)
+        _results.append((run_dir, "failed"))
+        if not multirun:  # a sweep goes on to its next arm; a single run stops here
+            if not (run_dir / SUMMARY_FILE).exists():
+                RunSummary(run_dir, str(cfg.determinism.mode), cfg.trainer.steps).finish("failed", f"{type(e).__name__}: {e}")
+            raise SystemExit(1) from e
+        return
+    print(summary.format())
+    _results.append((run_dir, summary.status))
+
+
+def _run(args, passthrough: list[str]) -> int:
+    try:
+        check_recipe(args.recipe)
+        check_overrides(args.recipe, args.overrides)
+    except (UnknownRecipe, BadOverride) as e:
+        print(f"lockstep: {e}", file=sys.stderr)
+        return 2
+    sys.argv = ["lockstep", "--config-name", args.recipe] + (["--multirun"] if args.multirun else []) \
+        + passthrough + args.overrides
+    _job()
+    failed = [d for d, status in _results if status != "completed"]
+    if args.multirun:
+        print(f"\nlockstep: sweep finished, {len(_results) - len(failed)}/{len(_results)} runs completed")
+        for d, status in _results:
+            print(f"  {status:<9} {d}")
+    return 1 if failed else 0
+
+
+USAGE = """usage: lockstep run RECIPE [-m] [--cfg job|hydra|all [--resolve]] [KEY=VALUE ...]
+       lockstep recipes
+
+  run       run a recipe with Hydra overrides, e.g.
+              lockstep run tiny-cpu rollout.n_samples=4 determinism=off
+            -m / --multirun sweeps comma-separated values:
+              lockstep run tiny-cpu -m determinism=strict,off seed=1,2
+            --cfg job prints the composed config instead of running
+  recipes   list the recipes with one line each"""
+
+_HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p"}
+_HYDRA_FLAGS = {"--resolve", "--info", "-i"}
+
+
+def _parse_run(rest: list[str]):
+    args = argparse.Namespace(recipe=None, multirun=False, overrides=[])
+    passthrough, it = [], iter(rest)
+    for a in it:
+        if a in ("-m", "--multirun"):
+            args.multirun = True
+        elif a in _HYDRA_FLAGS_WITH_VALUE:
+            passthrough += [a, next(it, "job")]
+        elif a in _HYDRA_FLAGS:
+            passthrough.append(a)
+        elif a.startswith("-") and not a.startswith("~"):
+            raise SystemExit(f"lockstep: unknown option {a!r}\n{USAGE}")
+        elif args.recipe is None:
+            args.recipe = a
+        else:
+            args.overrides.append(a)
+    if args.recipe is None:
+        raise SystemExit(f"lockstep: run needs a recipe name\n{USAGE}\n\nrecipes:\n{listing()}")
+    return args, passthrough
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    if argv[0] == "recipes":
+        print(listing())
+        return 0
+    if argv[0] == "run":
+        return _run(*_parse_run(argv[1:]))
+    print(f"lockstep: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+def console_main() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    console_main()
