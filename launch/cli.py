@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
@@ -17,7 +19,7 @@ from omegaconf import DictConfig
 from lockstep.launch.overrides import BadOverride, check_overrides
 from lockstep.launch.recipes import UnknownRecipe, check_recipe, listing
 
-_results: list = []  # one RunSummary per job of this invocation
+_results: list[tuple[Path, str]] = []  # (run dir, status) per job of this invocation
 
 
 @hydra.main(config_path="pkg://lockstep.recipes", config_name=None, version_base="1.3")
@@ -26,19 +28,22 @@ def _job(cfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
-    multirun = hc.mode.name == "MULTIRUN"
     try:
         summary = run(cfg, run_dir)
     except Exception as e:  # noqa: BLE001 - reported below, and the exit code says failed
         from lockstep.framework.summary import RunSummary, SUMMARY_FILE
 
-        print(f"\nlockstep: run failed: {type(e).__name__}: {e}", file=sys.stderr)
+        with (run_dir / "lockstep.log").open("a") as log:  # the full traceback, off the console
+            log.write(traceback.format_exc())
+        print(f"\nlockstep: run failed: {type(e).__name__}: {e}\n(traceback in {run_dir / 'lockstep.log'})",
+              file=sys.stderr)
         _results.append((run_dir, "failed"))
-        if not multirun:  # a sweep goes on to its next arm; a single run stops here
-            if not (run_dir / SUMMARY_FILE).exists():
-                RunSummary(run_dir, str(cfg.determinism.mode), cfg.trainer.steps).finish("failed", f"{type(e).__name__}: {e}")
-            raise SystemExit(1) from e
-        return
+        if not (run_dir / SUMMARY_FILE).exists():  # failed before the driver's summary existed
+            run_dir.mkdir(parents=True, exist_ok=True)
+            RunSummary(run_dir, str(cfg.determinism.mode), cfg.trainer.steps).finish("failed", f"{type(e).__name__}: {e}")
+        if os.environ.get("LOCKSTEP_RAISE"):  # debugging: the full traceback
+            raise
+        return  # a sweep goes on to its next arm; the exit code reports the failure
     print(summary.format())
     _results.append((run_dir, summary.status))
 
@@ -50,9 +55,13 @@ def _run(args, passthrough: list[str]) -> int:
     except (UnknownRecipe, BadOverride) as e:
         print(f"lockstep: {e}", file=sys.stderr)
         return 2
+    _results.clear()
     sys.argv = ["lockstep", "--config-name", args.recipe] + (["--multirun"] if args.multirun else []) \
         + passthrough + args.overrides
-    _job()
+    try:
+        _job()
+    except SystemExit as e:  # Hydra exits on its own errors (after printing them)
+        return int(e.code or 1) if not isinstance(e.code, str) else 1
     failed = [d for d, status in _results if status != "completed"]
     if args.multirun:
         print(f"\nlockstep: sweep finished, {len(_results) - len(failed)}/{len(_results)} runs completed")

@@ -66,7 +66,8 @@ def grpo_loss(logp, old_logp, advantages, mask, cfg: GRPOConfig, ref_logp=None):
     kl_loss = aggregate(k3_kl(logp, ref_logp), mask, cfg.loss_agg) if ref_logp is not None else logp.new_zeros(())
     loss = pg_loss + cfg.kl_coef * kl_loss
     with torch.no_grad():
-        clipfrac = aggregate((clipped != unclipped).float(), mask, "token_mean")
+        # the clip is active where the clipped objective is the smaller one (verl's pg_clipfrac)
+        clipfrac = aggregate((clipped < unclipped).float(), mask, "token_mean")
         ratio_mean = aggregate(ratio, mask, "token_mean")
     return loss, {"pg_loss": pg_loss.item(), "kl_loss": kl_loss.item(), "clipfrac": clipfrac.item(),
                   "ratio_mean": ratio_mean.item()}

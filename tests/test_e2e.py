@@ -1,0 +1,70 @@
+"""End-to-end runs through the real CLI, Hydra, Ray actors on a placement group, and W&B offline."""
+import json
+
+import pytest
+
+from lockstep.framework.tracking.jsonl import read_jsonl
+from lockstep.launch import cli
+
+pytestmark = pytest.mark.slow
+
+QUIET = ["logger.progress=false", "logger.wandb.enabled=false"]
+REQUIRED = ["consistency/mismatch_count", "consistency/max_abs_diff", "consistency/mean_abs_diff",
+            "consistency/numel", "consistency/mismatch_rate", "consistency/k3_kl",
+            "train/train_rollout_logprob_abs_diff", "rollout/reward_mean", "rollout/response_len_mean",
+            "rollout/tok_per_s_per_gpu", "train/loss", "train/pg_loss", "train/kl_loss", "train/entropy",
+            "train/grad_norm", "train/lr", "perf/step_s", "perf/rollout_s", "perf/train_s", "perf/logp_s",
+            "perf/weight_sync_s"]
+
+
+def _run(tmp_path, *overrides):
+    return cli.main(["run", "tiny-cpu", f"hydra.run.dir={tmp_path}", *overrides])
+
+
+def test_tiny_cpu_strict_short_run(ray_session, tmp_path):
+    rc = _run(tmp_path, "trainer.steps=4", "algo.kl_coef=0.01", "rollout.top_p=0.9")
+    assert rc == 0
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert r["consistency/mismatch_count"] == 0 and r["consistency/numel"] > 0
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, missing
+    assert rows[-1]["rollout/weights_version"] == 3  # one sync per step, verified each time
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps_completed"] == 4
+    assert (tmp_path / "config.yaml").read_text().count("${") == 0  # resolved
+    assert (tmp_path / "checkpoint" / "model.safetensors").exists()
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline W&B run written"
+
+
+def test_injected_fault_stops_strict_with_a_clear_error(ray_session, tmp_path, capsys):
+    rc = _run(tmp_path, "trainer.steps=3", "determinism.inject_fault=rollout_logp_reversed_vocab", *QUIET)
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "LockstepMismatchError: step 1:" in err
+    assert "first at sample" in err and "response position" in err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps_completed"] == 0
+    rows = read_jsonl(tmp_path / "metrics.jsonl")  # the failing step's report is on disk
+    assert len(rows) == 1 and rows[0]["consistency/mismatch_count"] > 0
+    assert read_jsonl(tmp_path / "worst_tokens.jsonl")
+
+
+def test_off_mode_only_reports(ray_session, tmp_path):
+    rc = _run(tmp_path, "trainer.steps=3", "determinism=off",
+              "determinism.inject_fault=rollout_logp_reversed_vocab", *QUIET)
+    assert rc == 0
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert len(rows) == 3 and all(r["consistency/mismatch_count"] > 0 for r in rows)
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+
+
+def test_multirun_sweep(ray_session, tmp_path):
+    rc = cli.main(["run", "tiny-cpu", "-m", "determinism=strict,off", "trainer.steps=2",
+                   f"hydra.sweep.dir={tmp_path}", *QUIET])
+    assert rc == 0
+    runs = sorted(p.parent for p in tmp_path.glob("*/summary.json"))
+    assert len(runs) == 2
+    modes = sorted(json.loads((r / "summary.json").read_text())["mode"] for r in runs)
+    assert modes == ["off", "strict"]
