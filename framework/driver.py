@@ -48,7 +48,7 @@ def ray_cluster():
             ray.shutdown()
 
 
-def run(cfg: DictConfig, run_dir: Path) -> RunSummary:
+def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
     settings.validate(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / RESOLVED_CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -68,7 +68,7 @@ def run(cfg: DictConfig, run_dir: Path) -> RunSummary:
         engine = spawn_rollout(cfg, placement, model_config, tokenizer)
         ray.get(engine.update_weights.remote(actor.weights_for_sync.remote()))  # version 0
         tracker = Tracker(run_dir, OmegaConf.to_container(cfg.logger, resolve=True),
-                          OmegaConf.to_container(cfg, resolve=True), cfg.trainer.steps, run_dir.name)
+                          OmegaConf.to_container(cfg, resolve=True), cfg.trainer.steps, name)
         try:
             for step in range(1, cfg.trainer.steps + 1):
                 timer, t_step = PhaseTimer(), time.perf_counter()

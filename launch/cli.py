@@ -29,7 +29,8 @@ def _job(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     try:
-        summary = run(cfg, run_dir)
+        name = hc.job.config_name + (f"#{hc.job.num}" if hc.mode.name == "MULTIRUN" else "")
+        summary = run(cfg, run_dir, name)
     except Exception as e:  # noqa: BLE001 - reported below, and the exit code says failed
         from lockstep.framework.summary import RunSummary, SUMMARY_FILE
 
