@@ -85,7 +85,7 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
                 report = compare_logp(rollout.logp, recomputed.logp, rollout.response_mask(),
                                       rollout.response_tokens(), cfg.logger.worst_tokens)
                 metrics = {**rollout_metrics(rollout, rewards, timer), **report.metrics()}
-                if cfg.determinism.mode == "strict" and report.mismatch_count:
+                if settings.stops_on_mismatch(cfg) and report.mismatch_count:
                     tracker.log_step(step, {**metrics, **timer}, worst_rows(report, tokenizer))
                     summary.add(step, metrics)
                     raise_on_mismatch(report, step)
@@ -107,6 +107,8 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
             raise
         finally:
             tracker.close(summary.status == "completed")
+            # Evidence of what ran, from every worker, whatever happened (the validator needs it).
+            ray.get([w.write_readback.remote(str(run_dir)) for w in (actor, engine)])
     return summary
 
 

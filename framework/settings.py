@@ -8,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-MODES = ("strict", "off")
+ON_MISMATCH = ("auto", "stop", "report")
 DEVICES = ("cpu",)
 
 
@@ -22,10 +22,17 @@ def _choice(value, valid, key: str):
 
 
 def validate(cfg: DictConfig) -> None:
+    from lockstep.framework.models.ops import CASES
+    from lockstep.framework.provider.route import MODES
     from lockstep.framework.rollout.native import FAULTS
 
-    _choice(cfg.determinism.mode, MODES, "determinism.mode")
-    _choice(cfg.determinism.inject_fault, FAULTS, "determinism.inject_fault")
+    det = cfg.determinism
+    _choice(det.mode, MODES, "determinism.mode")
+    _choice(det.case, CASES, "determinism.case")
+    for module in ("attention", "ffn", "logp"):
+        _choice(det[module], (0, 1), f"determinism.{module}")
+    _choice(det.on_mismatch, ON_MISMATCH, "determinism.on_mismatch")
+    _choice(det.inject_fault, FAULTS, "determinism.inject_fault")
     _choice(cfg.parallel.device, DEVICES, "parallel.device")
     for key in ("tp", "cp", "pp", "dp"):
         if cfg.parallel[key] != 1 and (cfg.actor.backend == "native" or cfg.rollout.backend == "native"):
@@ -62,3 +69,8 @@ def model_config(cfg: DictConfig, tokenizer_vocab: int) -> dict:
         raise ConfigError(f"model.vocab_size={vocab!r} must be 'auto' or an int >= the tokenizer's "
                           f"{tokenizer_vocab} tokens")
     return {"vocab_size": vocab, **m}
+
+
+def stops_on_mismatch(cfg: DictConfig) -> bool:
+    policy = cfg.determinism.on_mismatch
+    return cfg.determinism.mode in ("strict", "audit") if policy == "auto" else policy == "stop"

@@ -18,7 +18,7 @@ def spawn_actor(cfg: DictConfig, placement: Placement, model_config: dict, token
     optim = {k: a[k] for k in ("lr", "betas", "eps", "weight_decay", "warmup_steps", "grad_clip")}
     algo = {k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"}
     return ray.remote(cls).options(**placement.options(placement.actor_bundle, Resources(a.num_cpus))).remote(
-        model_config, mode=cfg.determinism.mode, real_vocab_size=tokenizer.vocab_size,
+        model_config, determinism=_determinism(cfg), real_vocab_size=tokenizer.vocab_size,
         optim=OmegaConf.to_container(OmegaConf.create(optim), resolve=True), algo=algo, seed=cfg.seed,
         init_from=cfg.model.init_from, num_threads=a.num_cpus)
 
@@ -27,6 +27,9 @@ def spawn_rollout(cfg: DictConfig, placement: Placement, model_config: dict, tok
     cls = ROLLOUTS.get(cfg.rollout.backend)
     r = cfg.rollout
     return ray.remote(cls).options(**placement.options(placement.rollout_bundle, Resources(r.num_cpus))).remote(
-        model_config, mode=cfg.determinism.mode, real_vocab_size=tokenizer.vocab_size,
-        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, num_threads=r.num_cpus,
-        inject_fault=cfg.determinism.inject_fault)
+        model_config, determinism=_determinism(cfg), real_vocab_size=tokenizer.vocab_size,
+        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, num_threads=r.num_cpus)
+
+
+def _determinism(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg.determinism, resolve=True)

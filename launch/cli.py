@@ -3,10 +3,13 @@
   lockstep run RECIPE [KEY=VALUE ...]        one run (Hydra overrides)
   lockstep run RECIPE -m KEY=A,B ...         a Hydra multirun sweep
   lockstep recipes                           list the recipes
+  lockstep validate RUN_DIR                  check a run's gates; seal it COMPLETE
+  lockstep report SWEEP_DIR                  the ablation table of a sweep (markdown + CSV)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
@@ -17,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lockstep.launch.overrides import BadOverride, check_overrides
-from lockstep.launch.recipes import UnknownRecipe, check_recipe, listing
+from lockstep.launch.recipes import SEARCHPATH_OVERRIDE, UnknownRecipe, check_recipe, is_multirun_recipe, listing
 
 _results: list[tuple[Path, str]] = []  # (run dir, status) per job of this invocation
 
@@ -56,11 +59,15 @@ def _run(args, passthrough: list[str]) -> int:
     except (UnknownRecipe, BadOverride) as e:
         print(f"lockstep: {e}", file=sys.stderr)
         return 2
+    args.multirun = args.multirun or is_multirun_recipe(args.recipe)
     _results.clear()
     sys.argv = ["lockstep", "--config-name", args.recipe] + (["--multirun"] if args.multirun else []) \
-        + passthrough + args.overrides
+        + passthrough + [SEARCHPATH_OVERRIDE] + args.overrides
+    from lockstep.framework.driver import ray_cluster
+
     try:
-        _job()
+        with ray_cluster() if args.multirun and not passthrough else contextlib.nullcontext():
+            _job()  # a sweep's arms share one Ray cluster
     except SystemExit as e:  # Hydra exits on its own errors (after printing them)
         return int(e.code or 1) if not isinstance(e.code, str) else 1
     failed = [d for d, status in _results if status != "completed"]
@@ -68,6 +75,8 @@ def _run(args, passthrough: list[str]) -> int:
         print(f"\nlockstep: sweep finished, {len(_results) - len(failed)}/{len(_results)} runs completed")
         for d, status in _results:
             print(f"  {status:<9} {d}")
+        if _results:
+            print(f"table: lockstep report {_results[0][0].parent}")
     return 1 if failed else 0
 
 
@@ -116,8 +125,33 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[0] == "run":
         return _run(*_parse_run(argv[1:]))
+    if argv[0] in ("validate", "report"):
+        if len(argv) != 2:
+            print(f"lockstep: {argv[0]} takes one directory\n{USAGE}", file=sys.stderr)
+            return 2
+        return _validate(argv[1]) if argv[0] == "validate" else _report(argv[1])
     print(f"lockstep: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
     return 2
+
+
+def _validate(run_dir: str) -> int:
+    from lockstep.framework.consistency.validate import format_gates, validate_run
+
+    ok, gates = validate_run(run_dir)
+    print(format_gates(run_dir, ok, gates))
+    return 0 if ok else 1
+
+
+def _report(sweep_dir: str) -> int:
+    from lockstep.framework.consistency.report import write_report
+
+    try:
+        print(write_report(sweep_dir), end="")
+    except FileNotFoundError as e:
+        print(f"lockstep: {e}", file=sys.stderr)
+        return 2
+    print(f"(also {Path(sweep_dir) / 'report.md'} and report.csv)")
+    return 0
 
 
 def console_main() -> None:

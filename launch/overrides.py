@@ -10,7 +10,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from lockstep.launch.recipes import PACKAGE
+from lockstep.launch.recipes import PACKAGE, SEARCHPATH_OVERRIDE
 
 CONFIGS_PACKAGE = "lockstep.configs"
 
@@ -34,9 +34,10 @@ def _first_value(o) -> str:
     return o.input_line
 
 
-def _compose(recipe: str, overrides: list[str]) -> DictConfig:
+def compose_recipe(recipe: str, overrides: list[str] = ()) -> DictConfig:
+    """The recipe's config as `lockstep run` would compose it (without running anything)."""
     with initialize_config_module(config_module=PACKAGE, version_base="1.3"):
-        return compose(config_name=recipe, overrides=overrides)
+        return compose(config_name=recipe, overrides=[SEARCHPATH_OVERRIDE, *overrides])
 
 
 def _diagnose_key(cfg: DictConfig, key: str) -> str | None:
@@ -62,7 +63,7 @@ def check_overrides(recipe: str, overrides: list[str]) -> None:
         raise BadOverride(f"cannot parse overrides: {e}") from None
     plain = [_first_value(o) for o in parsed]
     try:
-        _compose(recipe, plain)
+        compose_recipe(recipe, plain)
         return
     except HydraException as e:
         error = str(e)
@@ -70,7 +71,7 @@ def check_overrides(recipe: str, overrides: list[str]) -> None:
     group_keys = {o.key_or_group for o in parsed if o.key_or_group in config_groups() and not o.is_add()}
     groups = [p for o, p in zip(parsed, plain) if o.key_or_group in group_keys]
     try:
-        base = _compose(recipe, groups)
+        base = compose_recipe(recipe, groups)
     except HydraException as e:
         raise BadOverride(str(e)) from None  # Hydra lists the available options of a group
     for o in parsed:

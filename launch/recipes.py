@@ -7,6 +7,9 @@ from importlib import resources
 import yaml
 
 PACKAGE = "lockstep.recipes"
+# Recipes are primary configs; the config groups live in another package. Hydra reads a search
+# path only from the primary config, and recipes include each other, so the CLI adds it instead.
+SEARCHPATH_OVERRIDE = "hydra.searchpath=[pkg://lockstep.configs]"
 
 
 def recipe_files() -> dict[str, object]:
@@ -14,9 +17,18 @@ def recipe_files() -> dict[str, object]:
     return {p.name[:-5]: p for p in sorted(root.iterdir(), key=lambda p: p.name) if p.name.endswith(".yaml")}
 
 
-def describe(name: str) -> str:
+def _recipe_block(name: str) -> dict:
     data = yaml.safe_load(recipe_files()[name].read_text()) or {}
-    return str((data.get("recipe") or {}).get("description", "(no description)"))
+    return data.get("recipe") or {}
+
+
+def describe(name: str) -> str:
+    return str(_recipe_block(name).get("description", "(no description)"))
+
+
+def is_multirun_recipe(name: str) -> bool:
+    """A sweep recipe (hydra.sweeper.params) sets recipe.multirun so that `lockstep run` sweeps."""
+    return bool(_recipe_block(name).get("multirun", False))
 
 
 def listing() -> str:

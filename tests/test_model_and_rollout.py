@@ -2,11 +2,12 @@
 import torch
 
 from helpers import REAL_VOCAB, make_actor, make_engine
-from lockstep.framework.models.ops import LOCKSTEP_OPS, PRODUCTION_OPS
+from lockstep.framework.models.ops import ALL_P, ALL_R, build_ops
 from lockstep.framework.models.qwen3 import KVCache, Qwen3Config, Qwen3ForCausalLM
 from lockstep.framework.rollout.base import SamplingParams
 from lockstep.framework.rollout.sampling import sample_seed
 
+LOCKSTEP_OPS, PRODUCTION_OPS = build_ops(ALL_R), build_ops(ALL_P)
 PROMPTS = [[1, 3, 4, 5], [1, 6, 7], [1, 9, 10, 11, 12, 13]]
 
 

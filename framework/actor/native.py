@@ -13,7 +13,7 @@ import torch
 
 from lockstep.framework.actor.base import Actor, LogpResult
 from lockstep.framework.algo.grpo import GRPOConfig, group_advantages, grpo_loss
-from lockstep.framework.models.ops import ops_for_mode
+from lockstep.framework.consistency.readback import ProcessEvidence
 from lockstep.framework.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from lockstep.framework.rollout.base import Rollout
 from lockstep.framework.weights.sync import WeightPayload
@@ -22,11 +22,12 @@ STATE_FILE = "actor_state.pt"
 
 
 class NativeActor(Actor):
-    def __init__(self, model_config: dict, *, mode: str, real_vocab_size: int, optim: dict, algo: dict,
+    def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, optim: dict, algo: dict,
                  seed: int, init_from: str | None = None, num_threads: int = 1):
         torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
-        ops = ops_for_mode(mode)
+        self.evidence = ProcessEvidence(determinism, "trainer", "native")
+        ops = self.evidence.ops
         if init_from:
             self.model = Qwen3ForCausalLM.from_pretrained(init_from, ops)
         else:
@@ -95,6 +96,9 @@ class NativeActor(Actor):
         self.version += 1
         sums["advantage_abs_mean"] = float(adv.abs().mean())
         return sums
+
+    def write_readback(self, run_dir: str) -> str:
+        return self.evidence.write(run_dir)
 
     # ---- weights -------------------------------------------------------------------------------
     def weights_for_sync(self) -> WeightPayload:

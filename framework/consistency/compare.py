@@ -80,5 +80,5 @@ def raise_on_mismatch(report: ConsistencyReport, step: int) -> None:
             f"step {step}: {report.mismatch_count} of {report.numel} logprobs differ between rollout "
             f"and trainer (max |diff| {report.max_abs_diff:.3g}); first at sample {f.sample}, "
             f"response position {f.position} (token {f.token}): rollout {f.rollout_logp!r} vs "
-            f"trainer {f.train_logp!r}. determinism.mode=strict stops here; use "
-            f"determinism.mode=off to only report mismatches.")
+            f"trainer {f.train_logp!r}. This mode stops on a mismatch; determinism.on_mismatch=report "
+            f"only reports it.")

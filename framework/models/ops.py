@@ -1,11 +1,16 @@
-"""The op set a model instance runs on: lockstep kernels (R) or stock torch ops (P).
+"""The ops a model instance runs on, chosen per module and per side, and counted.
 
-`determinism.mode=off` runs the production set on both sides (what other frameworks do); every
-other mode runs the lockstep set. The model code only ever calls `ops.<name>`, so which code
-computed a logprob is decided in exactly one place.
+Three modules can each run the lockstep kernels (R) or stock torch ops (P):
+  attention  input norm, q/k/v/o projections, q/k norms, the attention core
+  ffn        post-attention norm, gate/up/down projections, SwiGLU
+  logp       final norm, LM head: sampling logits and the token logprob
+The logprob of module logp=R goes through the linear-logp provider under the determinism mode's
+rules (framework/provider/route.py); P calls the naive path directly. `determinism.mode=off` is
+P everywhere. Every op is wrapped by a counter, which is what the readbacks report.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -13,27 +18,78 @@ import torch
 import torch.nn.functional as F
 
 import lockstep.kernels as K
+from lockstep.framework.provider.route import RouteRecord, compute_linear_logp, load_provider
+from lockstep.framework.provider.types import (LinearLogpContext, LinearLogpRequest, LinearLogpResult,
+                                               LinearProjection, VocabPartition)
+
+LOCKSTEP_IMPL = "lockstep.kernels"
+TORCH_IMPL = "torch"
+CASES = ("R/R", "R/P", "P/R", "P/P")  # trainer/rollout
+SIDES = ("trainer", "rollout")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which modules of one side run the lockstep kernels."""
+    attention: bool
+    ffn: bool
+    logp: bool
+
+    @classmethod
+    def for_side(cls, determinism: dict, side: str) -> "Selection":
+        if side not in SIDES:
+            raise ValueError(f"side {side!r} not in {SIDES}")
+        if determinism["mode"] == "off":
+            return cls(False, False, False)
+        case = determinism["case"]
+        if case not in CASES:
+            raise ValueError(f"determinism.case={case!r}; valid: {', '.join(CASES)} (trainer/rollout)")
+        uses_r = case.split("/")[SIDES.index(side)] == "R"
+        return cls(*(uses_r and bool(determinism[m]) for m in ("attention", "ffn", "logp")))
+
+    def letters(self) -> dict[str, str]:
+        return {m: "R" if getattr(self, m) else "P" for m in ("attention", "ffn", "logp")}
+
+
+@dataclass(frozen=True)
+class AttentionOps:
+    linear: Callable
+    rms_norm: Callable
+    attention: Callable  # (q [B,Tq,H,D], k, v [B,S,Hkv,D], q_pos [B,Tq], scale) -> [B,Tq,H,D]
+
+
+@dataclass(frozen=True)
+class FFNOps:
+    linear: Callable
+    rms_norm: Callable
+    silu_mul: Callable
+
+
+@dataclass(frozen=True)
+class LogpOps:
+    rms_norm: Callable
+    linear: Callable  # sampling logits
+    linear_logp: Callable  # lockstep.kernels.linear_logp signature -> object with .logp, .entropy
 
 
 @dataclass(frozen=True)
 class ModelOps:
-    name: str
-    linear: Callable  # (x, weight, bias=None) -> y
-    rms_norm: Callable  # (x, weight, eps) -> y
-    silu_mul: Callable  # (gate, up) -> y
-    attention: Callable  # (q [B,Tq,H,D], k, v [B,S,Hkv,D], q_pos [B,Tq], scale) -> [B,Tq,H,D]
-    linear_logp: Callable  # lockstep.kernels.linear_logp signature
+    attention: AttentionOps
+    ffn: FFNOps
+    logp: LogpOps
+    selection: Selection
 
 
-def _torch_rms_norm(x, weight, eps):
+# ---- the stock (P) implementations -------------------------------------------------------------
+def torch_rms_norm(x, weight, eps):
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def _torch_silu_mul(gate, up):
+def torch_silu_mul(gate, up):
     return F.silu(gate) * up
 
 
-def _sdpa_attention(q, k, v, q_pos, scale=None):
+def sdpa_attention(q, k, v, q_pos, scale=None):
     tq, s_len = q.shape[1], k.shape[1]
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     causal_full = tq == s_len and bool((q_pos == torch.arange(tq, device=q.device)).all())
@@ -45,8 +101,8 @@ def _sdpa_attention(q, k, v, q_pos, scale=None):
     return out.transpose(1, 2)
 
 
-def _naive_linear_logp(hidden, weight, targets, *, bias=None, temperature=None, real_vocab_size=None,
-                       with_entropy=False, support_ids=None):
+def naive_linear_logp(hidden, weight, targets, *, bias=None, temperature=None, real_vocab_size=None,
+                      with_entropy=False, support_ids=None):
     """The usual path: materialise [T, V] logits, log_softmax, gather."""
     logits = F.linear(hidden, weight, bias).float()
     if temperature is not None:
@@ -67,13 +123,80 @@ def _naive_linear_logp(hidden, weight, targets, *, bias=None, temperature=None, 
     return K.LinearLogpOutput(logp, lse, entropy)
 
 
-LOCKSTEP_OPS = ModelOps("lockstep", K.linear, K.rms_norm, K.silu_mul, K.causal_attention, K.linear_logp)
-PRODUCTION_OPS = ModelOps("production", F.linear, _torch_rms_norm, _torch_silu_mul, _sdpa_attention,
-                          _naive_linear_logp)
+def native_request_logp(request: LinearLogpRequest) -> LinearLogpResult:
+    """The provider ABI's native route: the naive path on a request."""
+    ctx = request.context
+    out = naive_linear_logp(ctx.hidden, ctx.projection.weight, request.target_ids, bias=ctx.projection.bias,
+                            temperature=request.temperature, real_vocab_size=ctx.vocab.real_size,
+                            with_entropy=request.with_entropy, support_ids=request.support_ids)
+    return LinearLogpResult(out.logp, out.entropy, "torch.naive", "none")
 
 
-def ops_for_mode(mode: str) -> ModelOps:
-    return PRODUCTION_OPS if mode == "off" else LOCKSTEP_OPS
+# ---- assembly ----------------------------------------------------------------------------------
+class OpCounter:
+    def __init__(self):
+        self.calls: Counter = Counter()
+        self.impl: dict[str, str] = {}
+
+    def wrap(self, key: str, impl: str, fn: Callable) -> Callable:
+        self.impl[key] = impl
+        self.calls[key] += 0
+
+        def counted(*args, **kwargs):
+            self.calls[key] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def as_dict(self) -> dict:
+        return {k: {"impl": self.impl[k], "calls": self.calls[k]} for k in sorted(self.impl)}
 
 
-__all__ = ["ModelOps", "LOCKSTEP_OPS", "PRODUCTION_OPS", "ops_for_mode"]
+class ProviderLogp:
+    """The R route of the logp module: a linear_logp-shaped callable that builds a provider
+    request and applies the mode rules."""
+
+    def __init__(self, mode: str, provider_spec: str, record: RouteRecord):
+        self.mode, self.record = mode, record
+        self.provider, self.import_error = None, None
+        try:
+            self.provider = load_provider(provider_spec)
+        except ImportError as e:  # auto may fall back; strict/audit fail at the first call
+            self.import_error = e
+
+    def __call__(self, hidden, weight, targets, *, bias=None, temperature=None, real_vocab_size=None,
+                 with_entropy=False, support_ids=None) -> LinearLogpResult:
+        request = LinearLogpRequest(
+            LinearLogpContext(hidden, LinearProjection(weight, bias), VocabPartition.whole(weight.shape[0], real_vocab_size)),
+            targets, temperature, with_entropy, support_ids)
+        return compute_linear_logp(request, self.mode, self.provider, native_request_logp,
+                                   import_error=self.import_error, record=self.record)
+
+
+def build_ops(selection: Selection, *, mode: str = "strict", provider: str = "lockstep.kernels.provider:linear_logp_provider",
+              counter: OpCounter | None = None, record: RouteRecord | None = None) -> ModelOps:
+    counter = counter if counter is not None else OpCounter()
+    record = record if record is not None else RouteRecord()
+    kernels_impl = f"{LOCKSTEP_IMPL}[{K.get_backend()}]"
+
+    def pick(module: str, op: str, use_r: bool, lockstep_fn: Callable, torch_fn: Callable) -> Callable:
+        return counter.wrap(f"{module}.{op}", kernels_impl if use_r else TORCH_IMPL, lockstep_fn if use_r else torch_fn)
+
+    s = selection
+    attention = AttentionOps(pick("attention", "linear", s.attention, K.linear, F.linear),
+                             pick("attention", "rms_norm", s.attention, K.rms_norm, torch_rms_norm),
+                             pick("attention", "attention", s.attention, K.causal_attention, sdpa_attention))
+    ffn = FFNOps(pick("ffn", "linear", s.ffn, K.linear, F.linear),
+                 pick("ffn", "rms_norm", s.ffn, K.rms_norm, torch_rms_norm),
+                 pick("ffn", "silu_mul", s.ffn, K.silu_mul, torch_silu_mul))
+    if s.logp:
+        logp_fn = counter.wrap("logp.linear_logp", f"provider:{provider}", ProviderLogp(mode, provider, record))
+    else:
+        logp_fn = counter.wrap("logp.linear_logp", TORCH_IMPL, naive_linear_logp)
+    logp = LogpOps(pick("logp", "rms_norm", s.logp, K.rms_norm, torch_rms_norm),
+                   pick("logp", "linear", s.logp, K.linear, F.linear), logp_fn)
+    return ModelOps(attention, ffn, logp, selection)
+
+
+ALL_R = Selection(True, True, True)
+ALL_P = Selection(False, False, False)

@@ -11,13 +11,14 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 import lockstep.kernels as K
-from lockstep.framework.models.ops import ModelOps
+from lockstep.framework.models.ops import AttentionOps, FFNOps, ModelOps
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -62,23 +63,23 @@ class Qwen3Config:
 
 
 class Linear(nn.Module):
-    def __init__(self, ops: ModelOps, in_features: int, out_features: int):
+    def __init__(self, linear: Callable, in_features: int, out_features: int):
         super().__init__()
-        self.ops = ops
+        self.linear = linear
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
     def forward(self, x):
-        return self.ops.linear(x, self.weight)
+        return self.linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, ops: ModelOps, dim: int, eps: float):
+    def __init__(self, rms_norm: Callable, dim: int, eps: float):
         super().__init__()
-        self.ops, self.eps = ops, eps
+        self.rms_norm, self.eps = rms_norm, eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.rms_norm(x, self.weight, self.eps)
 
 
 class KVCache:
@@ -97,16 +98,16 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, ops: ModelOps, cfg: Qwen3Config, layer: int):
+    def __init__(self, ops: AttentionOps, cfg: Qwen3Config, layer: int):
         super().__init__()
         self.ops, self.cfg, self.layer = ops, cfg, layer
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = Linear(ops, h, cfg.num_attention_heads * d)
-        self.k_proj = Linear(ops, h, cfg.num_key_value_heads * d)
-        self.v_proj = Linear(ops, h, cfg.num_key_value_heads * d)
-        self.o_proj = Linear(ops, cfg.num_attention_heads * d, h)
-        self.q_norm = RMSNorm(ops, d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(ops, d, cfg.rms_norm_eps)
+        self.q_proj = Linear(ops.linear, h, cfg.num_attention_heads * d)
+        self.k_proj = Linear(ops.linear, h, cfg.num_key_value_heads * d)
+        self.v_proj = Linear(ops.linear, h, cfg.num_key_value_heads * d)
+        self.o_proj = Linear(ops.linear, cfg.num_attention_heads * d, h)
+        self.q_norm = RMSNorm(ops.rms_norm, d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(ops.rms_norm, d, cfg.rms_norm_eps)
 
     def forward(self, x, positions, cos, sin, cache: KVCache | None):
         b, t, _ = x.shape
@@ -122,12 +123,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, ops: ModelOps, cfg: Qwen3Config):
+    def __init__(self, ops: FFNOps, cfg: Qwen3Config):
         super().__init__()
         self.ops = ops
-        self.gate_proj = Linear(ops, cfg.hidden_size, cfg.intermediate_size)
-        self.up_proj = Linear(ops, cfg.hidden_size, cfg.intermediate_size)
-        self.down_proj = Linear(ops, cfg.intermediate_size, cfg.hidden_size)
+        self.gate_proj = Linear(ops.linear, cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = Linear(ops.linear, cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = Linear(ops.linear, cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x):
         return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
@@ -136,10 +137,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, ops: ModelOps, cfg: Qwen3Config, layer: int):
         super().__init__()
-        self.self_attn = Attention(ops, cfg, layer)
-        self.mlp = MLP(ops, cfg)
-        self.input_layernorm = RMSNorm(ops, cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(ops, cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(ops.attention, cfg, layer)
+        self.mlp = MLP(ops.ffn, cfg)
+        self.input_layernorm = RMSNorm(ops.attention.rms_norm, cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(ops.ffn.rms_norm, cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, positions, cos, sin, cache):
         x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, cache)
@@ -151,7 +152,7 @@ class Qwen3Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(ops, cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(ops, cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(ops.logp.rms_norm, cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -159,7 +160,7 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.config, self.ops = cfg, ops
         self.model = Qwen3Model(ops, cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(ops, cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(ops.logp.linear, cfg.hidden_size, cfg.vocab_size)
 
     # ---- weights -------------------------------------------------------------------------------
     def init_weights(self, seed: int) -> None:
@@ -218,11 +219,12 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(hidden, self.lm_head_weight).float()
+        return self.ops.logp.linear(hidden, self.lm_head_weight).float()
 
     def token_logp(self, hidden: torch.Tensor, targets: torch.Tensor, *, temperature=None,
-                   real_vocab_size=None, with_entropy=False, support_ids=None) -> K.LinearLogpOutput:
-        """Log-probability of `targets` given final hidden states [T, H] (the bitwise boundary)."""
-        return self.ops.linear_logp(hidden, self.lm_head_weight, targets, temperature=temperature,
+                   real_vocab_size=None, with_entropy=False, support_ids=None):
+        """Log-probability of `targets` given final hidden states [T, H] (the bitwise boundary).
+        Returns an object with .logp [T] and .entropy [T] | None."""
+        return self.ops.logp.linear_logp(hidden, self.lm_head_weight, targets, temperature=temperature,
                                     real_vocab_size=real_vocab_size, with_entropy=with_entropy,
                                     support_ids=support_ids)

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from lockstep.framework.models.ops import ops_for_mode
+from lockstep.framework.consistency.readback import ProcessEvidence
 from lockstep.framework.models.qwen3 import KVCache, Qwen3Config, Qwen3ForCausalLM
 from lockstep.framework.rollout.base import Rollout, RolloutEngine, SamplingParams
 from lockstep.framework.rollout.sampling import pad_supports, sample_row
@@ -21,16 +21,21 @@ FAULTS = ("none", "rollout_logp_reversed_vocab")
 
 
 class NativeRolloutEngine(RolloutEngine):
-    def __init__(self, model_config: dict, *, mode: str, real_vocab_size: int, eos_id: int, pad_id: int,
-                 num_threads: int = 1, inject_fault: str = "none"):
+    def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, eos_id: int, pad_id: int,
+                 num_threads: int = 1):
         torch.set_num_threads(num_threads)
+        inject_fault = determinism.get("inject_fault", "none")
         if inject_fault not in FAULTS:
             raise ValueError(f"unknown fault {inject_fault!r}; valid: {', '.join(FAULTS)}")
+        self.evidence = ProcessEvidence(determinism, "rollout", "native")
         self.cfg = Qwen3Config(**model_config)
-        self.model = Qwen3ForCausalLM(self.cfg, ops_for_mode(mode)).eval().requires_grad_(False)
+        self.model = Qwen3ForCausalLM(self.cfg, self.evidence.ops).eval().requires_grad_(False)
         self.real_vocab_size, self.eos_id, self.pad_id = real_vocab_size, eos_id, pad_id
         self.inject_fault = inject_fault
         self.version = -1
+
+    def write_readback(self, run_dir: str) -> str:
+        return self.evidence.write(run_dir)
 
     # ---- weights -------------------------------------------------------------------------------
     def update_weights(self, payload: WeightPayload) -> dict:

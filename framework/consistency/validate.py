@@ -1,0 +1,119 @@
+"""`lockstep validate RUN_DIR`: check every gate of a run and seal it COMPLETE, or list what failed.
+
+The gates read only what the run left on disk (config.yaml, summary.json, metrics.jsonl,
+lockstep.log, readbacks/*.json): a run is COMPLETE when it finished every planned step, logged no
+traceback, had mismatch_count == 0 with numel > 0 on every step, fell back nowhere, and the
+readbacks of both sides show every module configured R actually ran the lockstep route
+(call count > 0), with route evidence from every process in audit mode.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from lockstep.framework.consistency.readback import load_readbacks
+from lockstep.framework.models.ops import SIDES, TORCH_IMPL, Selection
+from lockstep.framework.summary import SUMMARY_FILE
+from lockstep.framework.tracking.jsonl import read_jsonl
+from lockstep.framework.tracking.tracker import METRICS_FILE
+
+SEAL_FILE = "COMPLETE"
+MODULE_OPS = {"attention": ("linear", "rms_norm", "attention"), "ffn": ("linear", "rms_norm", "silu_mul"),
+              "logp": ("rms_norm", "linear_logp")}
+
+
+@dataclass
+class Gate:
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+def _gate(gates: list[Gate], name: str, problems: list[str], ok_detail: str = "") -> None:
+    gates.append(Gate(name, not problems, "; ".join(problems) if problems else ok_detail))
+
+
+def check_run(run_dir: str | Path) -> list[Gate]:
+    run_dir = Path(run_dir)
+    gates: list[Gate] = []
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.exists():
+        return [Gate("config", False, f"{cfg_path} missing: not a lockstep run dir")]
+    cfg = yaml.safe_load(cfg_path.read_text())
+    det, planned = cfg["determinism"], cfg["trainer"]["steps"]
+
+    summary = json.loads((run_dir / SUMMARY_FILE).read_text()) if (run_dir / SUMMARY_FILE).exists() else {}
+    _gate(gates, "finished", [] if summary.get("status") == "completed" else
+          [f"status {summary.get('status', 'unknown')!r}" + (f": {summary['error']}" if summary.get("error") else "")])
+
+    rows = read_jsonl(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).exists() else []
+    trained = [r["step"] for r in rows if "train/loss" in r]
+    _gate(gates, "steps_reached", [] if trained == list(range(1, planned + 1)) else
+          [f"{len(trained)} of {planned} steps trained"], f"{planned} steps")
+
+    log = run_dir / "lockstep.log"
+    _gate(gates, "no_traceback", ["lockstep.log holds a traceback"] if log.exists() and "Traceback" in log.read_text() else [])
+
+    bad = [f"step {r['step']}: {r['consistency/mismatch_count']} mismatches" for r in rows
+           if r["consistency/mismatch_count"] != 0]
+    bad += [f"step {r['step']}: numel 0" for r in rows if r["consistency/numel"] <= 0]
+    if not rows:
+        bad.append("no steps logged")
+    numel = sum(r["consistency/numel"] for r in rows)
+    _gate(gates, "mismatch_zero", bad[:5] + ([f"... {len(bad) - 5} more"] if len(bad) > 5 else []),
+          f"0 of {numel} logprobs differ")
+
+    readbacks = {rb["side"]: rb for rb in load_readbacks(run_dir)}
+    problems = [f"no {side} readback" for side in SIDES if side not in readbacks]
+    problems += [f"{s} readback says mode {rb['mode']!r}, config {det['mode']!r}" for s, rb in readbacks.items()
+                 if rb["mode"] != det["mode"]]
+    _gate(gates, "readbacks", problems)
+
+    fallbacks = [f"{s}: {f['reason']} (x{f['count']})" for s, rb in readbacks.items() for f in rb["fallbacks"]]
+    _gate(gates, "no_fallback", fallbacks)
+
+    problems = []
+    for side, rb in readbacks.items():
+        expected = Selection.for_side(det, side).letters()
+        if rb["selection"] != expected:
+            problems.append(f"{side} ran {rb['selection']}, config implies {expected}")
+        for module, letter in expected.items():
+            if letter != "R":
+                continue
+            for op in MODULE_OPS[module]:
+                entry = rb["ops"].get(f"{module}.{op}", {"impl": "absent", "calls": 0})
+                if entry["impl"] == TORCH_IMPL or entry["calls"] <= 0:
+                    problems.append(f"{side} {module}.{op}: {entry['impl']} called {entry['calls']} times")
+        if expected["logp"] == "R" and not rb["logp_route"]["calls"].get("provider"):
+            problems.append(f"{side}: the logp provider never served a call")
+    _gate(gates, "r_ops_called", problems)
+
+    if det["mode"] == "audit":
+        _gate(gates, "route_evidence", [f"{s}: no route evidence" for s, rb in readbacks.items()
+                                        if Selection.for_side(det, s).logp and not rb["logp_route"]["evidence_count"]])
+    return gates
+
+
+def validate_run(run_dir: str | Path) -> tuple[bool, list[Gate]]:
+    """Check the gates; seal the run COMPLETE when all pass (a stale seal is removed otherwise)."""
+    run_dir = Path(run_dir)
+    gates = check_run(run_dir)
+    ok = all(g.ok for g in gates)
+    seal = run_dir / SEAL_FILE
+    if ok:
+        seal.write_text(json.dumps({"sealed_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                    "gates": [asdict(g) for g in gates]}, indent=2))
+    elif seal.exists():
+        seal.unlink()
+    return ok, gates
+
+
+def format_gates(run_dir, ok: bool, gates: list[Gate]) -> str:
+    lines = [f"{run_dir}: {'COMPLETE' if ok else 'REFUSED'}"]
+    for g in gates:
+        lines.append(f"  [{'ok' if g.ok else 'FAIL'}] {g.name}" + (f": {g.detail}" if g.detail else ""))
+    return "\n".join(lines)

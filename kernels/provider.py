@@ -1,0 +1,24 @@
+"""lockstep.kernels as a linear-logp provider (the "R" route of the logp module).
+
+Reads a request by attribute only and returns a plain result object, so it depends on nothing in
+lockstep.framework: any provider package can be written the same way.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from lockstep.kernels._backend import get_backend
+from lockstep.kernels.logp import VOCAB_CHUNK, linear_logp
+
+CONTRACT_ID = f"lockstep.linear_logp.v1:chunk={VOCAB_CHUNK}:tree-merge:fp32-temperature"
+
+
+def linear_logp_provider(request):
+    ctx = request.context
+    if getattr(request, "tp_group", None) is not None or ctx.vocab.local_size != ctx.vocab.padded_size:
+        raise NotImplementedError("the lockstep provider does not take vocab-sharded requests yet")
+    out = linear_logp(ctx.hidden, ctx.projection.weight, request.target_ids, bias=ctx.projection.bias,
+                      temperature=request.temperature, real_vocab_size=ctx.vocab.real_size,
+                      with_entropy=request.with_entropy, support_ids=request.support_ids)
+    return SimpleNamespace(logp=out.logp, entropy=out.entropy, backend_id=f"lockstep.kernels/{get_backend()}",
+                           contract_id=CONTRACT_ID, provenance={"vocab_chunk": VOCAB_CHUNK})
