@@ -23,7 +23,7 @@ from lockstep.framework.rollout.base import SamplingParams
 from lockstep.framework.rollout.sampling import sample_seed
 from lockstep.framework.summary import RunSummary
 from lockstep.framework.tracking.tracker import Tracker
-from lockstep.framework.workers import spawn_actor, spawn_rollout
+from lockstep.framework.workers import spawn_actor, spawn_rollouts
 
 RESOLVED_CONFIG = "config.yaml"
 
@@ -63,10 +63,10 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
     summary = RunSummary(run_dir, cfg.determinism.mode, cfg.trainer.steps)
 
     with ray_cluster(), placed(Resources(cfg.actor.num_cpus), Resources(cfg.rollout.num_cpus),
-                               cfg.parallel.colocate) as placement:
+                               cfg.parallel.colocate, cfg.rollout.num_engines) as placement:
         actor = spawn_actor(cfg, placement, model_config, tokenizer)
-        engine = spawn_rollout(cfg, placement, model_config, tokenizer)
-        ray.get(engine.update_weights.remote(actor.weights_for_sync.remote()))  # version 0
+        engines = spawn_rollouts(cfg, placement, model_config, tokenizer)
+        engines.update_weights(actor.weights_for_sync.remote())  # version 0
         tracker = Tracker(run_dir, OmegaConf.to_container(cfg.logger, resolve=True),
                           OmegaConf.to_container(cfg, resolve=True), cfg.trainer.steps, name)
         try:
@@ -75,7 +75,7 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
                 batch = prompts.next_batch(cfg.rollout.prompts_per_step)
                 seeds = [[sample_seed(cfg.seed, step, r.index, j) for j in range(cfg.rollout.n_samples)] for r in batch]
                 with timer("rollout"):
-                    rollout = ray.get(engine.generate.remote([tokenizer.encode(r.prompt) for r in batch], sampling, seeds))
+                    rollout = engines.generate([tokenizer.encode(r.prompt) for r in batch], sampling, seeds)
                 with timer("reward"):
                     group = torch.arange(len(batch)).repeat_interleave(cfg.rollout.n_samples)
                     texts = [tokenizer.decode(rollout.tokens[b, rollout.prompt_lens[b]:].tolist()) for b in range(rollout.batch_size)]
@@ -92,7 +92,7 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
                 with timer("train"):
                     train_metrics = ray.get(actor.train.remote(rollout, rewards, group, recomputed.logp))
                 with timer("weight_sync"):
-                    sync_timings = ray.get(engine.update_weights.remote(actor.weights_for_sync.remote()))
+                    sync_timings = engines.update_weights(actor.weights_for_sync.remote())
                 timer["perf/step_s"] = time.perf_counter() - t_step
                 metrics.update({f"train/{k}": v for k, v in train_metrics.items()}, **timer,
                                **{f"perf/weight_{k}": v for k, v in sync_timings.items()})
@@ -108,7 +108,8 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
         finally:
             tracker.close(summary.status == "completed")
             # Evidence of what ran, from every worker, whatever happened (the validator needs it).
-            ray.get([w.write_readback.remote(str(run_dir)) for w in (actor, engine)])
+            ray.get(actor.write_readback.remote(str(run_dir)))
+            engines.write_readbacks(str(run_dir))
     return summary
 
 

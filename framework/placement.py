@@ -1,7 +1,7 @@
-"""Ray placement: one placement group holding the actor and the rollout engine.
+"""Ray placement: one placement group holding the actor and the rollout engines.
 
-colocate=true puts both on one bundle (they time-share its CPUs/GPUs, as in production where
-engines sleep while actors train); colocate=false gives each its own bundle.
+colocate=true puts them all on one bundle (they time-share its CPUs/GPUs, as in production where
+engines sleep while actors train); colocate=false gives the actor and each engine its own bundle.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class Resources:
 class Placement:
     group: object
     actor_bundle: int
-    rollout_bundle: int
+    rollout_bundles: tuple[int, ...]
 
     def options(self, bundle: int, res: Resources) -> dict:
         return {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus,
@@ -33,11 +33,13 @@ class Placement:
 
 
 @contextmanager
-def placed(actor: Resources, rollout: Resources, colocate: bool):
+def placed(actor: Resources, rollout: Resources, colocate: bool, num_engines: int = 1):
     if colocate:
-        bundles = [{"CPU": actor.num_cpus + rollout.num_cpus, "GPU": actor.num_gpus + rollout.num_gpus}]
+        bundles = [{"CPU": actor.num_cpus + num_engines * rollout.num_cpus,
+                    "GPU": actor.num_gpus + num_engines * rollout.num_gpus}]
     else:
-        bundles = [{"CPU": actor.num_cpus, "GPU": actor.num_gpus}, {"CPU": rollout.num_cpus, "GPU": rollout.num_gpus}]
+        bundles = [{"CPU": actor.num_cpus, "GPU": actor.num_gpus}] + \
+                  [{"CPU": rollout.num_cpus, "GPU": rollout.num_gpus}] * num_engines
     bundles = [{k: v for k, v in b.items() if v} for b in bundles]
     group = placement_group(bundles, strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
@@ -46,6 +48,6 @@ def placed(actor: Resources, rollout: Resources, colocate: bool):
         raise RuntimeError(f"placement group {bundles} could not be placed within {PLACEMENT_TIMEOUT_S} s; "
                            f"the Ray cluster has {ray.cluster_resources()}")
     try:
-        yield Placement(group, 0, 0 if colocate else 1)
+        yield Placement(group, 0, tuple([0] * num_engines if colocate else range(1, num_engines + 1)))
     finally:
         remove_placement_group(group)

@@ -34,10 +34,14 @@ def validate(cfg: DictConfig) -> None:
     _choice(det.on_mismatch, ON_MISMATCH, "determinism.on_mismatch")
     _choice(det.inject_fault, FAULTS, "determinism.inject_fault")
     _choice(cfg.parallel.device, DEVICES, "parallel.device")
-    for key in ("tp", "cp", "pp", "dp"):
-        if cfg.parallel[key] != 1 and (cfg.actor.backend == "native" or cfg.rollout.backend == "native"):
-            raise ConfigError(f"parallel.{key}={cfg.parallel[key]}: the native backends run unsharded "
+    for key in ("tp", "cp", "pp", "dp"):  # the actor's parallelism; engines set their own
+        if cfg.parallel[key] != 1 and cfg.actor.backend == "native":
+            raise ConfigError(f"parallel.{key}={cfg.parallel[key]}: the native actor runs unsharded "
                               f"(parallel.{key}=1)")
+    if cfg.rollout.num_engines < 1:
+        raise ConfigError(f"rollout.num_engines must be >= 1, got {cfg.rollout.num_engines}")
+    if cfg.rollout.backend != "native" and det.inject_fault != "none":
+        raise ConfigError("determinism.inject_fault is implemented by the native rollout engine only")
     if cfg.trainer.steps < 1:
         raise ConfigError(f"trainer.steps must be >= 1, got {cfg.trainer.steps}")
     if cfg.rollout.prompts_per_step < 1:

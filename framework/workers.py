@@ -1,5 +1,5 @@
-"""Start the actor and the rollout engine as Ray actors on their placement bundles, picking the
-backend classes by config name."""
+"""Start the actor and the rollout engines as Ray actors on their placement bundles, picking the
+backend classes by config name (an unknown or unavailable backend lists every valid one)."""
 from __future__ import annotations
 
 import ray
@@ -7,9 +7,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from lockstep.framework.placement import Placement, Resources
 from lockstep.framework.registry import BackendRegistry
+from lockstep.framework.rollout.fleet import RolloutFleet
 
 ACTORS = BackendRegistry("actor", {"native": "lockstep.framework.actor.native:NativeActor"})
-ROLLOUTS = BackendRegistry("rollout", {"native": "lockstep.framework.rollout.native:NativeRolloutEngine"})
+ROLLOUTS = BackendRegistry("rollout", {"native": "lockstep.framework.rollout.native:NativeRolloutEngine",
+                                       "vllm": "lockstep.framework.rollout.vllm_engine:VllmRolloutEngine"})
+
+
+def _determinism(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg.determinism, resolve=True)
 
 
 def spawn_actor(cfg: DictConfig, placement: Placement, model_config: dict, tokenizer):
@@ -23,13 +29,21 @@ def spawn_actor(cfg: DictConfig, placement: Placement, model_config: dict, token
         init_from=cfg.model.init_from, num_threads=a.num_cpus)
 
 
-def spawn_rollout(cfg: DictConfig, placement: Placement, model_config: dict, tokenizer):
+def _engine_kwargs(cfg: DictConfig, index: int) -> dict:
+    r = cfg.rollout
+    if r.backend == "native":
+        return {"engine_index": index}
+    per_engine = -(-r.prompts_per_step // r.num_engines) * r.n_samples
+    return {"engine_index": index, "tensor_parallel_size": r.tensor_parallel_size, "max_support": r.max_support,
+            "max_batch": per_engine, "gpu_memory_utilization": r.gpu_memory_utilization,
+            "kv_cache_gib": r.kv_cache_gib, "seed": cfg.seed}
+
+
+def spawn_rollouts(cfg: DictConfig, placement: Placement, model_config: dict, tokenizer) -> RolloutFleet:
     cls = ROLLOUTS.get(cfg.rollout.backend)
     r = cfg.rollout
-    return ray.remote(cls).options(**placement.options(placement.rollout_bundle, Resources(r.num_cpus))).remote(
+    engines = [ray.remote(cls).options(**placement.options(bundle, Resources(r.num_cpus))).remote(
         model_config, determinism=_determinism(cfg), real_vocab_size=tokenizer.vocab_size,
-        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, num_threads=r.num_cpus)
-
-
-def _determinism(cfg: DictConfig) -> dict:
-    return OmegaConf.to_container(cfg.determinism, resolve=True)
+        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, num_threads=r.num_cpus, **_engine_kwargs(cfg, i))
+        for i, bundle in enumerate(placement.rollout_bundles)]
+    return RolloutFleet(engines, tokenizer.pad_id)

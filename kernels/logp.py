@@ -7,7 +7,8 @@ Numerics (identical on every side and every vocab sharding):
 - columns at or beyond `real_vocab_size` (padding) are -inf;
 - each chunk yields (max, sum exp, sum exp*z); chunk states merge in a fixed balanced tree over the
   chunk index, so the order never depends on T or on which rows share the batch;
-- with `support_ids` [T, k] (-1 = unused slot) the softmax runs over those ids only (top-p replay).
+- with `support_ids` [T, k] (-1 = unused slot) the softmax runs over those ids only (top-p replay),
+  taken as a set: rows are sorted before reducing, so the listing order never matters.
 """
 from __future__ import annotations
 
@@ -121,7 +122,16 @@ def _finish(target_z, m, s, w) -> LinearLogpOutput:
     return LinearLogpOutput(target_z - lse, lse, entropy)
 
 
+def canonical_support(support_ids: torch.Tensor) -> torch.Tensor:
+    """A support is a set: sort each row's ids ascending (unused -1 slots last), so the reduction
+    order never depends on the order in which an engine happened to list them."""
+    big = torch.iinfo(support_ids.dtype).max
+    ordered = torch.where(support_ids >= 0, support_ids, big).sort(-1).values
+    return torch.where(ordered == big, -1, ordered)
+
+
 def _support_logp(hidden, weight, targets, bias, temperature, with_entropy, support_ids):
+    support_ids = canonical_support(support_ids)
     valid = support_ids >= 0
     hit = (support_ids == targets.unsqueeze(1)) & valid
     if not bool(hit.any(1).all()):

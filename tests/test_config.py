@@ -59,7 +59,8 @@ def test_sweep_overrides_are_checked_too():
 @pytest.mark.parametrize("override,expected", [
     ("determinism.mode=bogus", r"determinism.mode='bogus' is not valid; choose one of: off, auto, strict, audit"),
     ("rollout.n_samples=1", r"n_samples >= 2"),
-    ("parallel.tp=2", r"native backends run unsharded"),
+    ("parallel.tp=2", r"native actor runs unsharded"),
+    ("rollout.num_engines=0", r"num_engines must be >= 1"),
     ("determinism.inject_fault=typo", r"choose one of: none, rollout_logp_reversed_vocab"),
 ])
 def test_semantic_validation(override, expected):

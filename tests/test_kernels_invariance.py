@@ -209,3 +209,13 @@ def test_linear_logp_grad_matches_reference():
 def test_backend_selection_errors():
     with pytest.raises(ValueError, match="valid: torch, triton"):
         K.set_backend("cuda-magic")
+
+
+def test_support_order_never_matters():
+    torch.manual_seed(4)
+    h, w = torch.randn(3, 16), torch.randn(40, 16)
+    ids = torch.tensor([[3, 7, 9, 30, -1], [5, 1, -1, -1, -1], [39, 0, 2, 8, 11]])
+    t = torch.tensor([9, 1, 8])
+    ref = K.linear_logp(h, w, t, support_ids=ids)
+    shuffled = torch.stack([row[torch.randperm(5)] for row in ids])
+    assert torch.equal(K.linear_logp(h, w, t, support_ids=shuffled).logp, ref.logp)

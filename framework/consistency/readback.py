@@ -21,8 +21,10 @@ READBACK_DIR = "readbacks"
 class ProcessEvidence:
     """The ops of one worker process, instrumented, and its readback."""
 
-    def __init__(self, determinism: dict, side: str, backend: str, rank: int = 0):
-        self.determinism, self.side, self.backend, self.rank = dict(determinism), side, backend, rank
+    def __init__(self, determinism: dict, side: str, backend: str, rank: int = 0, instance: int = 0):
+        """rank: the process's rank within its engine/actor group; instance: which engine."""
+        self.determinism, self.side, self.backend = dict(determinism), side, backend
+        self.rank, self.instance = rank, instance
         self.selection = Selection.for_side(determinism, side)
         self.counter, self.record = OpCounter(), RouteRecord()
         self.ops: ModelOps = build_ops(self.selection, mode=determinism["mode"], provider=determinism["provider"],
@@ -31,7 +33,8 @@ class ProcessEvidence:
     def readback(self) -> dict:
         route = self.record.as_dict()
         return {
-            "framework": "lockstep", "backend": self.backend, "side": self.side, "rank": self.rank,
+            "framework": "lockstep", "backend": self.backend, "side": self.side, "instance": self.instance,
+            "rank": self.rank,
             "pid": os.getpid(), "host": socket.gethostname(), "mode": self.determinism["mode"],
             "case": self.determinism.get("case"), "selection": self.selection.letters(),
             "kernel_backend": K.get_backend(),
@@ -41,11 +44,15 @@ class ProcessEvidence:
         }
 
     def write(self, run_dir: str) -> str:
-        out = Path(run_dir) / READBACK_DIR
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"{self.side}-rank{self.rank}.json"
-        path.write_text(json.dumps(self.readback(), indent=2))
-        return str(path)
+        return write_readback(run_dir, self.readback())
+
+
+def write_readback(run_dir: str, readback: dict) -> str:
+    out = Path(run_dir) / READBACK_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{readback['side']}-{readback['instance']}-rank{readback['rank']}.json"
+    path.write_text(json.dumps(readback, indent=2))
+    return str(path)
 
 
 def load_readbacks(run_dir: str | Path) -> list[dict]:

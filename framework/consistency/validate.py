@@ -67,34 +67,39 @@ def check_run(run_dir: str | Path) -> list[Gate]:
     _gate(gates, "mismatch_zero", bad[:5] + ([f"... {len(bad) - 5} more"] if len(bad) > 5 else []),
           f"0 of {numel} logprobs differ")
 
-    readbacks = {rb["side"]: rb for rb in load_readbacks(run_dir)}
-    problems = [f"no {side} readback" for side in SIDES if side not in readbacks]
-    problems += [f"{s} readback says mode {rb['mode']!r}, config {det['mode']!r}" for s, rb in readbacks.items()
-                 if rb["mode"] != det["mode"]]
-    _gate(gates, "readbacks", problems)
+    readbacks = load_readbacks(run_dir)  # one per process: several per side with engines/ranks
 
-    fallbacks = [f"{s}: {f['reason']} (x{f['count']})" for s, rb in readbacks.items() for f in rb["fallbacks"]]
+    def label(rb):
+        return f"{rb['side']}[{rb.get('instance', 0)}.{rb['rank']}]"
+
+    problems = [f"no {side} readback" for side in SIDES if not any(rb["side"] == side for rb in readbacks)]
+    problems += [f"{label(rb)} readback says mode {rb['mode']!r}, config {det['mode']!r}" for rb in readbacks
+                 if rb["mode"] != det["mode"]]
+    _gate(gates, "readbacks", problems, f"{len(readbacks)} processes")
+
+    fallbacks = [f"{label(rb)}: {f['reason']} (x{f['count']})" for rb in readbacks for f in rb["fallbacks"]]
     _gate(gates, "no_fallback", fallbacks)
 
     problems = []
-    for side, rb in readbacks.items():
-        expected = Selection.for_side(det, side).letters()
+    for rb in readbacks:
+        expected = Selection.for_side(det, rb["side"]).letters()
         if rb["selection"] != expected:
-            problems.append(f"{side} ran {rb['selection']}, config implies {expected}")
+            problems.append(f"{label(rb)} ran {rb['selection']}, config implies {expected}")
         for module, letter in expected.items():
             if letter != "R":
                 continue
             for op in MODULE_OPS[module]:
                 entry = rb["ops"].get(f"{module}.{op}", {"impl": "absent", "calls": 0})
                 if entry["impl"] == TORCH_IMPL or entry["calls"] <= 0:
-                    problems.append(f"{side} {module}.{op}: {entry['impl']} called {entry['calls']} times")
+                    problems.append(f"{label(rb)} {module}.{op}: {entry['impl']} called {entry['calls']} times")
         if expected["logp"] == "R" and not rb["logp_route"]["calls"].get("provider"):
-            problems.append(f"{side}: the logp provider never served a call")
+            problems.append(f"{label(rb)}: the logp provider never served a call")
     _gate(gates, "r_ops_called", problems)
 
     if det["mode"] == "audit":
-        _gate(gates, "route_evidence", [f"{s}: no route evidence" for s, rb in readbacks.items()
-                                        if Selection.for_side(det, s).logp and not rb["logp_route"]["evidence_count"]])
+        _gate(gates, "route_evidence", [f"{label(rb)}: no route evidence" for rb in readbacks
+                                        if Selection.for_side(det, rb["side"]).logp
+                                        and not rb["logp_route"]["evidence_count"]])
     return gates
 
 

@@ -22,12 +22,12 @@ FAULTS = ("none", "rollout_logp_reversed_vocab")
 
 class NativeRolloutEngine(RolloutEngine):
     def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, eos_id: int, pad_id: int,
-                 num_threads: int = 1):
+                 num_threads: int = 1, engine_index: int = 0):
         torch.set_num_threads(num_threads)
         inject_fault = determinism.get("inject_fault", "none")
         if inject_fault not in FAULTS:
             raise ValueError(f"unknown fault {inject_fault!r}; valid: {', '.join(FAULTS)}")
-        self.evidence = ProcessEvidence(determinism, "rollout", "native")
+        self.evidence = ProcessEvidence(determinism, "rollout", "native", instance=engine_index)
         self.cfg = Qwen3Config(**model_config)
         self.model = Qwen3ForCausalLM(self.cfg, self.evidence.ops).eval().requires_grad_(False)
         self.real_vocab_size, self.eos_id, self.pad_id = real_vocab_size, eos_id, pad_id

@@ -1,0 +1,56 @@
+"""The rollout engines of a run, as one: prompts dealt round-robin, results merged in prompt order."""
+from __future__ import annotations
+
+import ray
+import torch
+import torch.nn.functional as F
+
+from lockstep.framework.rollout.base import Rollout, SamplingParams
+
+
+def merge_rollouts(parts: list[Rollout], rows_of_part: list[list[int]], pad_id: int) -> Rollout:
+    """Concatenate engine results (padding to the widest) and put row r of part p at global row
+    rows_of_part[p][r]."""
+    if len({p.weights_version for p in parts}) != 1:
+        raise RuntimeError(f"engines generated with different weight versions: {[p.weights_version for p in parts]}")
+    length = max(p.tokens.shape[1] for p in parts)
+    width = max(p.logp.shape[1] for p in parts)
+
+    def pad_to(t, size, dim, value):
+        return F.pad(t, [0, 0] * (t.dim() - 1 - dim) + [0, size - t.shape[dim]], value=value)
+
+    order = torch.tensor([g for rows in rows_of_part for g in rows]).argsort()
+    tokens = torch.cat([pad_to(p.tokens, length, 1, pad_id) for p in parts])[order]
+    logp = torch.cat([pad_to(p.logp, width, 1, 0.0) for p in parts])[order]
+    support = None
+    if parts[0].support_ids is not None:
+        k = max(p.support_ids.shape[2] for p in parts)
+        support = torch.cat([pad_to(pad_to(p.support_ids, k, 2, -1), width, 1, -1) for p in parts])[order]
+    cat = lambda name: torch.cat([getattr(p, name) for p in parts])[order]  # noqa: E731
+    return Rollout(tokens, cat("prompt_lens"), cat("response_lens"), logp, support, cat("finished"),
+                   parts[0].weights_version, parts[0].sampling)
+
+
+class RolloutFleet:
+    def __init__(self, engines: list, pad_id: int):
+        self.engines, self.pad_id = engines, pad_id
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[list[int]]) -> Rollout:
+        n = len(self.engines)
+        dealt = [list(range(e, len(prompts), n)) for e in range(n)]
+        dealt = [d for d in dealt if d]
+        refs = [self.engines[e].generate.remote([prompts[i] for i in d], sampling, [seeds[i] for i in d])
+                for e, d in enumerate(dealt)]
+        # global row of each sample: prompt-major, len(seeds[i]) samples per prompt
+        first = [0]
+        for s in seeds:
+            first.append(first[-1] + len(s))
+        rows = [[first[i] + j for i in d for j in range(len(seeds[i]))] for d in dealt]
+        return merge_rollouts(ray.get(refs), rows, self.pad_id)
+
+    def update_weights(self, payload_ref) -> dict:
+        timings = ray.get([e.update_weights.remote(payload_ref) for e in self.engines])
+        return {k: max(t[k] for t in timings) for k in timings[0]}  # the slowest engine bounds the step
+
+    def write_readbacks(self, run_dir: str) -> None:
+        ray.get([e.write_readback.remote(run_dir) for e in self.engines])

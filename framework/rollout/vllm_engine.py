@@ -1,0 +1,164 @@
+"""vLLM rollout engine (one Ray actor per engine; `rollout.num_engines` of them round-robin).
+
+Every sample is its own vLLM request with its own seed (per-sample seeds, batch-independent).
+Logprobs come from vLLM with `logprobs_mode=processed_logprobs`: the sampled token's entry is
+lockstep's logprob when the rollout's logp module is R (the plugin's sampler hook), and the
+finite entries of the top window are the sampler's exact top-p/top-k support, which the trainer
+replays. Weights arrive as versioned, checksummed HF-named payloads and are reloaded in place.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import vllm  # noqa: F401  (an environment without vLLM reports this backend unavailable)
+from safetensors.torch import save_file
+
+from lockstep.framework.consistency.readback import write_readback
+from lockstep.framework.models.qwen3 import CONFIG_FILE, Qwen3Config
+from lockstep.framework.rollout.base import Rollout, RolloutEngine, SamplingParams
+from lockstep.framework.rollout.vllm_plugin import ENV
+from lockstep.framework.weights.sync import WeightChecksumError, WeightPayload, verify_incoming
+
+log = logging.getLogger(__name__)
+WORKER_EXTENSION = "lockstep.framework.rollout.vllm_plugin.worker.LockstepWorkerExtension"
+
+
+def engine_kwargs(device: str, *, tensor_parallel_size: int, max_model_len: int, max_logprobs: int,
+                  max_batch: int, gpu_memory_utilization: float, dtype: str, seed: int) -> dict:
+    """vLLM engine arguments. On CUDA: sleep mode for colocation and one CUDA graph per decode batch
+    size 1..max_batch (exact-batch capture: no padding of a decode batch to a larger graph size)."""
+    kwargs = dict(skip_tokenizer_init=True, load_format="dummy", dtype=dtype, seed=seed,
+                  tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+                  enable_prefix_caching=False, logprobs_mode="processed_logprobs", max_logprobs=max_logprobs,
+                  worker_extension_cls=WORKER_EXTENSION, max_num_seqs=max_batch)
+    if device == "cuda":
+        kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization,
+                      compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY",
+                                          "cudagraph_capture_sizes": list(range(1, max_batch + 1))})
+    else:
+        kwargs.update(enforce_eager=True)  # lockstep's reference kernels run eagerly on CPU
+    return kwargs
+
+
+class VllmRolloutEngine(RolloutEngine):
+    def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, eos_id: int, pad_id: int,
+                 num_threads: int = 1, tensor_parallel_size: int = 1, max_support: int = 64,
+                 max_batch: int = 256, gpu_memory_utilization: float = 0.4, kv_cache_gib: float = 1.0,
+                 max_model_len: int | None = None, seed: int = 0, engine_index: int = 0):
+        if determinism.get("inject_fault", "none") != "none":
+            raise ValueError("determinism.inject_fault is implemented by the native engine only")
+        torch.set_num_threads(num_threads)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.cfg = Qwen3Config(**model_config)
+        self.real_vocab_size, self.eos_id, self.pad_id = real_vocab_size, eos_id, pad_id
+        self.window = min(max_support + 1, self.cfg.vocab_size)  # one past max_support detects overflow
+        self.workdir = Path(tempfile.mkdtemp(prefix="lockstep-vllm-"))
+        model_dir = self.workdir / "model"
+        model_dir.mkdir()
+        (model_dir / CONFIG_FILE).write_text(json.dumps({**self.cfg.to_hf(), "lockstep_real_vocab_size": real_vocab_size}))
+        # Read by the plugin in every vLLM process (inherited by the processes vLLM spawns).
+        os.environ[ENV] = json.dumps(determinism)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        self.llm = LLM(model=str(model_dir), **engine_kwargs(
+            self.device, tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len or self.cfg.max_position_embeddings, max_logprobs=self.window,
+            max_batch=max_batch, gpu_memory_utilization=gpu_memory_utilization,
+            dtype=str(model_config.get("torch_dtype", "float32")), seed=seed))
+        self.llm.collective_rpc("lockstep_install")
+        self.startup_s = time.perf_counter() - t0
+        self.tensor_parallel_size, self.engine_index = tensor_parallel_size, engine_index
+        self.version = -1
+        if self.device == "cpu":
+            log.warning("vLLM's CPU build has no sleep mode: colocated sleep/wake is skipped, the KV cache stays allocated")
+
+    # ---- weights -------------------------------------------------------------------------------
+    def update_weights(self, payload: WeightPayload) -> dict:
+        t0 = time.perf_counter()
+        verify_incoming(payload, self.version)
+        t1 = time.perf_counter()
+        path = self.workdir / f"weights-v{payload.version}.safetensors"
+        save_file({k: v.contiguous() for k, v in payload.tensors.items()}, str(path))
+        t2 = time.perf_counter()
+        digests = self.llm.collective_rpc("lockstep_load_weights", args=(str(path),))
+        path.unlink()
+        for rank, digest in enumerate(digests):
+            if digest is not None and self.tensor_parallel_size == 1 and digest != payload.checksum:
+                raise WeightChecksumError(f"vLLM worker {rank} holds weights hashing to {digest} after loading "
+                                          f"version {payload.version}, not {payload.checksum}")
+        self.version = payload.version
+        return {**payload.timings, "verify_s": t1 - t0, "stage_s": t2 - t1, "load_s": time.perf_counter() - t2,
+                "post_load_checksum": float(all(d is not None for d in digests))}
+
+    def write_readback(self, run_dir: str) -> list[str]:
+        """One readback per vLLM worker process (they ran the ops), named by this engine's index."""
+        return [write_readback(run_dir, {**rb, "instance": self.engine_index})
+                for rb in self.llm.collective_rpc("lockstep_readback")]
+
+    def sleep(self) -> str:
+        if self.device != "cuda":
+            return "sleep skipped: vLLM's CPU build has no sleep mode"
+        self.llm.sleep(level=1)
+        return "slept (level 1: weights offloaded, KV cache freed)"
+
+    def wake(self) -> str:
+        if self.device != "cuda":
+            return "wake skipped: vLLM's CPU build has no sleep mode"
+        self.llm.wake_up()
+        return "woken"
+
+    def shutdown(self) -> None:
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # ---- generation ----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[list[int]]) -> Rollout:
+        from vllm import SamplingParams as VllmSampling
+        from vllm.inputs import TokensPrompt
+
+        if self.version < 0:
+            raise RuntimeError("generate called before the first weight sync")
+        rows = [(p, s) for p, ss in zip(prompts, seeds) for s in ss]
+        params = [VllmSampling(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+                               top_k=sampling.top_k if sampling.top_k else 0, max_tokens=sampling.max_new_tokens,
+                               seed=int(s) % (2**31), logprobs=self.window if sampling.restricts_support else 0,
+                               stop_token_ids=[self.eos_id], detokenize=False, skip_special_tokens=False)
+                  for _, s in rows]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p, _ in rows], params, use_tqdm=False)
+        return self._assemble([p for p, _ in rows], [o.outputs[0] for o in outs], sampling)
+
+    def _assemble(self, prompts, completions, sampling: SamplingParams) -> Rollout:
+        b = len(prompts)
+        responses = [list(c.token_ids) for c in completions]
+        r_max = max(len(r) for r in responses)
+        prompt_lens = torch.tensor([len(p) for p in prompts])
+        response_lens = torch.tensor([len(r) for r in responses])
+        tokens = torch.full((b, int((prompt_lens + response_lens).max())), self.pad_id, dtype=torch.long)
+        logp = torch.zeros(b, r_max)
+        supports: list[list[list[int]]] = []
+        for i, (p, r, c) in enumerate(zip(prompts, responses, completions)):
+            tokens[i, : len(p)] = torch.tensor(p)
+            tokens[i, len(p): len(p) + len(r)] = torch.tensor(r, dtype=torch.long)
+            row_support = []
+            for j, (tok, entries) in enumerate(zip(r, c.logprobs)):
+                logp[i, j] = entries[tok].logprob
+                row_support.append([t for t, e in entries.items() if math.isfinite(e.logprob)])
+            supports.append(row_support)
+        support = None
+        if sampling.restricts_support:
+            width = max(len(s) for row in supports for s in row)
+            support = torch.full((b, r_max, width), -1, dtype=torch.long)
+            for i, row in enumerate(supports):
+                for j, ids in enumerate(row):
+                    support[i, j, : len(ids)] = torch.tensor(ids)
+        finished = torch.tensor([c.finish_reason == "stop" for c in completions])
+        return Rollout(tokens, prompt_lens, response_lens, logp, support, finished, self.version, sampling)

@@ -1,0 +1,83 @@
+"""Worker-side hooks, reached by the engine through `collective_rpc` on vLLM's
+`worker_extension_cls`: the sampler replacement, weight loading with a post-load checksum, and
+the readback of this worker process."""
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+from vllm.v1.sample.sampler import Sampler
+
+from lockstep.framework.rollout.vllm_plugin.evidence import get_evidence
+from lockstep.framework.weights.sync import checksum
+
+
+class SupportWindowError(RuntimeError):
+    pass
+
+
+def support_from_logprobs(ids: torch.Tensor, logprobs: torch.Tensor, real_vocab: int) -> torch.Tensor:
+    """The sampler's kept ids per row from processed logprobs (ids outside the top-k/top-p support
+    are -inf there) -> [rows, k] with -1 in unused slots. Column 0 (the sampled token) is skipped:
+    it reappears among the top columns whenever it is in the support."""
+    top_ids, top_lp = ids[:, 1:], logprobs[:, 1:]
+    kept = torch.isfinite(top_lp)
+    window = top_ids.shape[1]
+    if window < real_vocab and bool(kept.all(1).any()):
+        raise SupportWindowError(f"a top-p/top-k support fills the whole {window}-id logprob window, so it "
+                                 f"may hold more ids: raise rollout.max_support")
+    return torch.where(kept, top_ids, torch.full_like(top_ids, -1))
+
+
+class LockstepSampler(Sampler):
+    """vLLM's sampler, unchanged, followed by the lockstep logprob of each sampled token
+    (when the logp module is R) written into every column that holds the sampled token."""
+
+    def __init__(self, base: Sampler, model):
+        super().__init__(logprobs_mode=base.logprobs_mode, use_fp64_gumbel=base.use_fp64_gumbel)
+        self.lockstep_model = model
+
+    def forward(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
+        if predict_bonus_token:
+            raise RuntimeError("speculative decoding is not covered by lockstep's logprob replacement")
+        out = super().forward(logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+        lt = out.logprobs_tensors
+        if lt is None:  # no logprobs requested (vLLM's profiling batch among them)
+            return out
+        model = self.lockstep_model
+        if not get_evidence().selection.logp:
+            return out  # P: vLLM's own processed logprob stands
+        sampled = out.sampled_token_ids[:, 0].long()
+        temperature, support = None, None
+        if not sampling_metadata.all_greedy:
+            if not sampling_metadata.all_random:
+                raise RuntimeError("a batch mixing greedy and sampled requests is not supported by lockstep")
+            temperature = sampling_metadata.temperature.float()
+            restricted = ((sampling_metadata.top_p is not None and bool((sampling_metadata.top_p < 1).any()))
+                          or (sampling_metadata.top_k is not None
+                              and bool((sampling_metadata.top_k < model.real_vocab_size).any())))
+            if restricted:
+                support = support_from_logprobs(lt.logprob_token_ids.long(), lt.logprobs, model.real_vocab_size)
+        logp = model.token_logp(model.lockstep_hidden, sampled, temperature=temperature, support_ids=support).logp
+        holds = lt.logprob_token_ids.long() == sampled[:, None]
+        lt.logprobs[holds] = logp[:, None].expand_as(holds)[holds].to(lt.logprobs.dtype)
+        return out
+
+
+class LockstepWorkerExtension:
+    """Mixed into vLLM's worker class (engine arg `worker_extension_cls`)."""
+
+    def lockstep_install(self) -> dict:
+        runner = self.model_runner
+        runner.sampler = LockstepSampler(runner.sampler, runner.get_model())
+        return {"logprobs_mode": runner.sampler.logprobs_mode}
+
+    def lockstep_load_weights(self, path: str) -> str | None:
+        """Reload weights from a safetensors file; returns the checksum of the loaded weights in
+        HF layout, or None where vLLM keeps some weights packed (not comparable)."""
+        tensors = load_file(path)
+        self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+        hf = self.model_runner.get_model().lockstep_hf_state_dict()
+        return None if hf is None else checksum(hf.items())
+
+    def lockstep_readback(self) -> dict:
+        return get_evidence().readback()

