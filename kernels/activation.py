@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from lockstep.kernels._backend import get_backend
+
 
 def _sigmoid(g: torch.Tensor) -> torch.Tensor:
     return 1.0 / (1.0 + torch.exp(-g))
@@ -31,4 +33,8 @@ class _SiluMul(torch.autograd.Function):
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    if get_backend() == "triton":
+        from lockstep.kernels._triton.activation import silu_mul as triton_silu_mul
+
+        return triton_silu_mul(gate, up)
     return _SiluMul.apply(gate, up)

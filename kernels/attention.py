@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from lockstep.kernels._backend import get_backend
 from lockstep.kernels._invariant import ROW_TILE, tree_sum
 
 KV_BLOCK = 16
@@ -32,6 +33,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
         raise ValueError(f"attention: shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
     if int(q_pos.max()) >= s_len:
         raise ValueError(f"attention: query position {int(q_pos.max())} has no key (cache holds {s_len})")
+    if get_backend() == "triton":
+        from lockstep.kernels._triton.attention import causal_attention as triton_causal_attention
+
+        return triton_causal_attention(q, k, v, q_pos, scale)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     group = h // hkv
 

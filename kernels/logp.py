@@ -1,14 +1,19 @@
-"""Fused LM-head projection + log-softmax + gather: `linear_logp` (torch reference).
+"""Fused LM-head projection + log-softmax + gather: `linear_logp`.
 
-Numerics (identical on every side and every vocab sharding):
-- logits are produced per fixed-width vocab chunk (VOCAB_CHUNK columns; the last may be shorter,
-  which sums identically because the tree sum pads with exact zeros);
-- temperature divides the fp32 logits at exactly one point;
-- columns at or beyond `real_vocab_size` (padding) are -inf;
-- each chunk yields (max, sum exp, sum exp*z); chunk states merge in a fixed balanced tree over the
-  chunk index, so the order never depends on T or on which rows share the batch;
+Numerics (identical on every side and for every vocab sharding):
+- the full (unsharded) vocab of V columns is cut into NUM_VOCAB_CHUNKS virtual chunks of
+  `chunk_width(V)` columns; a tensor-parallel shard of any size dividing NUM_VOCAB_CHUNKS holds
+  whole chunks (the canonical partition: shards are subtrees of the finest partition);
+- each chunk yields a softmax state (max, sum exp, sum exp*z) computed by the backend;
+- chunk states merge in one balanced tree over the global chunk index. A sharded call gathers the
+  states of every rank in rank order first, so it merges exactly the same leaves in the same tree
+  and equals the single-device result bit for bit;
+- temperature divides the fp32 logits at exactly one point; columns at or beyond
+  `real_vocab_size` (padding) are -inf;
 - with `support_ids` [T, k] (-1 = unused slot) the softmax runs over those ids only (top-p replay),
   taken as a set: rows are sorted before reducing, so the listing order never matters.
+The [T, V] logits are never materialised at once: the torch reference builds one chunk at a time,
+the Triton backend one tile at a time.
 """
 from __future__ import annotations
 
@@ -17,9 +22,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from lockstep.kernels._backend import get_backend
 from lockstep.kernels._invariant import tiled_mm, tree_sum
 
-VOCAB_CHUNK = 4096
+NUM_VOCAB_CHUNKS = 32
 _NEG_INF = float("-inf")
 
 
@@ -29,12 +35,34 @@ class LinearLogpOutput(NamedTuple):
     entropy: torch.Tensor | None  # [T] fp32 when requested
 
 
+class ChunkStates(NamedTuple):
+    """Softmax states of the chunks held locally: m, s, w [T, n_local] (w None without entropy),
+    the target's logit [T] (0 where the target lies in another shard) and whether it was here."""
+    m: torch.Tensor
+    s: torch.Tensor
+    w: torch.Tensor | None
+    target_z: torch.Tensor
+    target_here: torch.Tensor
+
+
+def chunk_width(full_vocab_size: int) -> int:
+    return -(-full_vocab_size // NUM_VOCAB_CHUNKS)
+
+
 def _safe(m: torch.Tensor) -> torch.Tensor:
     """A max of -inf (all entries masked) becomes 0 so that exp(-inf - 0) = 0 instead of NaN."""
     return torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
 
 
-def _chunk_state(z: torch.Tensor, with_entropy: bool):
+def _scale(z: torch.Tensor, temperature) -> torch.Tensor:
+    if temperature is None:
+        return z
+    if isinstance(temperature, torch.Tensor):
+        return z / temperature.float().reshape(-1, *([1] * (z.dim() - 1)))
+    return z / float(temperature)
+
+
+def _state(z: torch.Tensor, with_entropy: bool):
     """z [T, C] fp32 (masked entries -inf) -> (max, sum exp(z - max), sum exp(z - max) * z)."""
     m = z.detach().amax(-1)
     p = torch.exp(z - _safe(m).unsqueeze(-1))
@@ -43,7 +71,39 @@ def _chunk_state(z: torch.Tensor, with_entropy: bool):
     return m, s, w
 
 
-def _merge_tree(m: torch.Tensor, s: torch.Tensor, w: torch.Tensor | None):
+def torch_chunk_states(hidden, weight, targets, *, vocab_start, width, real_vocab_size, bias, temperature,
+                       with_entropy) -> ChunkStates:
+    """The torch reference: one fixed-shape GEMM per chunk, a tree sum across its columns."""
+    ms, ss, ws = [], [], []
+    target_z = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    local = targets - vocab_start
+    here = (local >= 0) & (local < weight.shape[0])
+    for lo in range(0, weight.shape[0], width):
+        hi = min(lo + width, weight.shape[0])
+        z = tiled_mm(hidden, weight[lo:hi].t())
+        if bias is not None:
+            z = z + bias[lo:hi]
+        z = _scale(z.float(), temperature)
+        cols = torch.arange(vocab_start + lo, vocab_start + hi, device=z.device)
+        z = z.masked_fill(cols >= real_vocab_size, _NEG_INF)
+        in_chunk = (local >= lo) & (local < hi)
+        picked = z.gather(1, (local - lo).clamp(0, hi - lo - 1).unsqueeze(1)).squeeze(1)
+        target_z = torch.where(in_chunk, picked, target_z)
+        m, s, w = _state(z, with_entropy)
+        ms.append(m), ss.append(s), ws.append(w)
+    return ChunkStates(torch.stack(ms, -1), torch.stack(ss, -1), torch.stack(ws, -1) if with_entropy else None,
+                       target_z, here)
+
+
+def chunk_states(hidden, weight, targets, **kw) -> ChunkStates:
+    if get_backend() == "triton":
+        from lockstep.kernels._triton.logp import chunk_states as triton_chunk_states
+
+        return triton_chunk_states(hidden, weight, targets, **kw)
+    return torch_chunk_states(hidden, weight, targets, **kw)
+
+
+def merge_tree(m: torch.Tensor, s: torch.Tensor, w: torch.Tensor | None):
     """Merge [T, n] chunk states pairwise over a balanced tree padded with the identity."""
     n = m.shape[-1]
     width = 1 << max(0, (n - 1).bit_length())
@@ -64,62 +124,79 @@ def _merge_tree(m: torch.Tensor, s: torch.Tensor, w: torch.Tensor | None):
     return m[..., 0], s[..., 0], (w[..., 0] if w is not None else None)
 
 
-def _scale(z: torch.Tensor, temperature) -> torch.Tensor:
-    if temperature is None:
-        return z
-    if isinstance(temperature, torch.Tensor):
-        return z / temperature.float().reshape(-1, *([1] * (z.dim() - 1)))
-    return z / float(temperature)
+def _finish(target_z, m, s, w) -> LinearLogpOutput:
+    lse = m + torch.log(s)
+    entropy = lse - w / s if w is not None else None
+    return LinearLogpOutput(target_z - lse, lse, entropy)
 
 
-def _validate(hidden, weight, targets, real_vocab_size, support_ids):
+class _GatherReplicated(torch.autograd.Function):
+    """All ranks' tensors in rank order. Every rank then computes the same (replicated) result, so
+    the backward keeps this rank's slice of the gradient instead of summing the copies (Megatron's
+    gather-from-tensor-parallel-region semantics)."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        import torch.distributed as dist
+
+        ctx.rank = dist.get_rank(group)
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank], None
+
+
+def _gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    return list(_GatherReplicated.apply(t, group).unbind(0))
+
+
+def _validate(hidden, weight, targets, real_vocab_size, full_vocab, vocab_start, support_ids):
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_logp: hidden [T,H] and weight [V,H] expected, got "
                          f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"linear_logp: targets {tuple(targets.shape)} != [T]={hidden.shape[0]}")
-    if real_vocab_size is not None and not 0 < real_vocab_size <= weight.shape[0]:
-        raise ValueError(f"linear_logp: real_vocab_size {real_vocab_size} outside (0, {weight.shape[0]}]")
+    if not 0 < real_vocab_size <= full_vocab:
+        raise ValueError(f"linear_logp: real_vocab_size {real_vocab_size} outside (0, {full_vocab}]")
+    width = chunk_width(full_vocab)
+    if vocab_start % width or (weight.shape[0] % width and vocab_start + weight.shape[0] != full_vocab):
+        raise ValueError(f"linear_logp: the shard [{vocab_start}, {vocab_start + weight.shape[0]}) of a "
+                         f"{full_vocab}-column vocab does not hold whole {width}-column chunks; shard the vocab "
+                         f"into a number of parts dividing {NUM_VOCAB_CHUNKS}")
     if support_ids is not None and (support_ids.dim() != 2 or support_ids.shape[0] != hidden.shape[0]):
         raise ValueError(f"linear_logp: support_ids must be [T, k], got {tuple(support_ids.shape)}")
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= real_vocab_size):
+        raise ValueError(f"linear_logp: target ids must lie in [0, {real_vocab_size})")
 
 
 def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                 bias: torch.Tensor | None = None, temperature=None, real_vocab_size: int | None = None,
-                with_entropy: bool = False, support_ids: torch.Tensor | None = None) -> LinearLogpOutput:
-    """log softmax(hidden @ weight^T + bias)[targets] without materialising [T, V] logits at once.
+                with_entropy: bool = False, support_ids: torch.Tensor | None = None,
+                vocab_start: int = 0, full_vocab_size: int | None = None, group=None) -> LinearLogpOutput:
+    """log softmax(hidden @ weight^T + bias)[targets].
 
-    hidden [T, H], weight [V, H], targets [T] (int), temperature float | [T] | None.
+    hidden [T, H]; weight [V_local, H] holding global vocab rows [vocab_start, vocab_start + V_local)
+    of a vocab of full_vocab_size (default: unsharded); targets [T] global ids; temperature float |
+    [T] | None; group: the process group the vocab is sharded over (rank order = shard order).
     """
-    _validate(hidden, weight, targets, real_vocab_size, support_ids)
+    full_vocab = full_vocab_size or weight.shape[0]
+    real = real_vocab_size or full_vocab
+    _validate(hidden, weight, targets, real, full_vocab, vocab_start, support_ids)
     if support_ids is not None:
-        return _support_logp(hidden, weight, targets, bias, temperature, with_entropy, support_ids)
-    vocab = weight.shape[0] if real_vocab_size is None else real_vocab_size
-    if int(targets.min()) < 0 or int(targets.max()) >= vocab:
-        raise ValueError(f"linear_logp: target ids must lie in [0, {vocab})")
-    states, target_z = [], torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    for lo in range(0, weight.shape[0], VOCAB_CHUNK):
-        hi = min(lo + VOCAB_CHUNK, weight.shape[0])
-        z = tiled_mm(hidden, weight[lo:hi].t())
-        if bias is not None:
-            z = z + bias[lo:hi]
-        z = _scale(z.float(), temperature)
-        cols = torch.arange(lo, hi, device=z.device)
-        z = z.masked_fill(cols >= vocab, _NEG_INF)
-        in_chunk = (targets >= lo) & (targets < hi)
-        picked = z.gather(1, (targets - lo).clamp(0, hi - lo - 1).unsqueeze(1)).squeeze(1)
-        target_z = torch.where(in_chunk, picked, target_z)
-        states.append(_chunk_state(z, with_entropy))
-    m = torch.stack([st[0] for st in states], -1)
-    s = torch.stack([st[1] for st in states], -1)
-    w = torch.stack([st[2] for st in states], -1) if with_entropy else None
-    return _finish(target_z, *_merge_tree(m, s, w))
-
-
-def _finish(target_z, m, s, w) -> LinearLogpOutput:
-    lse = m + torch.log(s)
-    entropy = lse - w / s if w is not None else None
-    return LinearLogpOutput(target_z - lse, lse, entropy)
+        return _support_logp(hidden, weight, targets, bias, temperature, with_entropy, support_ids,
+                             vocab_start, group)
+    st = chunk_states(hidden, weight, targets, vocab_start=vocab_start, width=chunk_width(full_vocab),
+                      real_vocab_size=real, bias=bias, temperature=temperature, with_entropy=with_entropy)
+    m, s, w, target_z = st.m, st.s, st.w, st.target_z
+    if group is not None:
+        m, s = torch.cat(_gather(m, group), -1), torch.cat(_gather(s, group), -1)
+        w = torch.cat(_gather(w, group), -1) if w is not None else None
+        # exactly one rank holds each target: adding the others' exact zeros changes no bit
+        target_z = torch.stack(_gather(torch.where(st.target_here, target_z, 0.0), group)).sum(0)
+    return _finish(target_z, *merge_tree(m, s, w))
 
 
 def canonical_support(support_ids: torch.Tensor) -> torch.Tensor:
@@ -130,19 +207,24 @@ def canonical_support(support_ids: torch.Tensor) -> torch.Tensor:
     return torch.where(ordered == big, -1, ordered)
 
 
-def _support_logp(hidden, weight, targets, bias, temperature, with_entropy, support_ids):
+def _support_logp(hidden, weight, targets, bias, temperature, with_entropy, support_ids, vocab_start, group):
     support_ids = canonical_support(support_ids)
     valid = support_ids >= 0
     hit = (support_ids == targets.unsqueeze(1)) & valid
     if not bool(hit.any(1).all()):
         row = int((~hit.any(1)).nonzero()[0])
         raise ValueError(f"linear_logp: target {int(targets[row])} of row {row} is not in its support ids")
-    ids = support_ids.clamp(min=0)
+    local = support_ids - vocab_start
+    owned = valid & (local >= 0) & (local < weight.shape[0])
+    ids = torch.where(owned, local, 0)
     # Each support logit is its own dot product (tree-summed), so the width k never matters.
     z = tree_sum(hidden.unsqueeze(1) * weight[ids], -1)
     if bias is not None:
         z = z + bias[ids]
+    z = torch.where(owned, z, 0.0)
+    if group is not None:  # one owner per id: the others add exact zeros
+        z = torch.stack(_gather(z, group)).sum(0)
     z = _scale(z.float(), temperature).masked_fill(~valid, _NEG_INF)
-    target_z = (z.masked_fill(~hit, 0.0)).sum(-1)  # exactly one hit per row: sum of one value and zeros
-    m, s, w = _chunk_state(z, with_entropy)
+    target_z = (z.masked_fill(~hit, 0.0)).sum(-1)  # exactly one hit per row: one value plus zeros
+    m, s, w = _state(z, with_entropy)
     return _finish(target_z, m, s, w)

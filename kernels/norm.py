@@ -3,10 +3,15 @@ from __future__ import annotations
 
 import torch
 
+from lockstep.kernels._backend import get_backend
 from lockstep.kernels._invariant import tree_sum
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if get_backend() == "triton":
+        from lockstep.kernels._triton.norm import rms_norm as triton_rms_norm
+
+        return triton_rms_norm(x, weight, eps)
     xf = x.float()
     variance = tree_sum(xf * xf) / xf.shape[-1]
     y = xf * torch.rsqrt(variance + eps).unsqueeze(-1)

@@ -8,9 +8,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from lockstep.kernels._backend import get_backend
-from lockstep.kernels.logp import VOCAB_CHUNK, linear_logp
+from lockstep.kernels.logp import NUM_VOCAB_CHUNKS, linear_logp
 
-CONTRACT_ID = f"lockstep.linear_logp.v1:chunk={VOCAB_CHUNK}:tree-merge:fp32-temperature"
+CONTRACT_ID = f"lockstep.linear_logp.v2:chunks={NUM_VOCAB_CHUNKS}:tree-merge:fp32-temperature"
 
 
 def linear_logp_provider(request):
@@ -21,4 +21,4 @@ def linear_logp_provider(request):
                       temperature=request.temperature, real_vocab_size=ctx.vocab.real_size,
                       with_entropy=request.with_entropy, support_ids=request.support_ids)
     return SimpleNamespace(logp=out.logp, entropy=out.entropy, backend_id=f"lockstep.kernels/{get_backend()}",
-                           contract_id=CONTRACT_ID, provenance={"vocab_chunk": VOCAB_CHUNK})
+                           contract_id=CONTRACT_ID, provenance={"vocab_chunks": NUM_VOCAB_CHUNKS})

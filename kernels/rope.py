@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from lockstep.kernels._backend import get_backend
+
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
     """positions [...] (int) -> cos, sin [..., head_dim] in fp32."""
@@ -19,6 +21,10 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., T, H, D]; cos/sin [..., T, D] (broadcast over heads)."""
+    if get_backend() == "triton":
+        from lockstep.kernels._triton.rope import apply_rope as triton_apply_rope
+
+        return triton_apply_rope(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     cos = cos.unsqueeze(-2).to(x.dtype)

@@ -115,7 +115,7 @@ def test_good_provider_in_every_mode_and_audit_evidence():
         req = request(with_entropy=True, grad=True)
         out = compute_linear_logp(req, mode, good, native_request_logp, record=record)
         assert out.logp.grad_fn is not None and out.entropy is not None
-        assert out.backend_id == "lockstep.kernels/torch" and out.contract_id.startswith("lockstep.linear_logp.v1")
+        assert out.backend_id == "lockstep.kernels/torch" and out.contract_id.startswith("lockstep.linear_logp.v2")
         assert record.calls == {"provider": 1}
         assert bool(record.evidence) == (mode == "audit")
     ref = native_request_logp(request())

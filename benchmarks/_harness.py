@@ -1,0 +1,47 @@
+"""Side-by-side timing and memory for the kernel benchmarks (CUDA only).
+
+Every benchmark measures lockstep and its baseline in the same process on the same inputs and
+reports the ratio; absolute times are printed only next to their ratio.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Measure:
+    ms: float  # median milliseconds per call
+    extra_gib: float  # peak memory above what was allocated before the call, GiB
+
+
+def measure(fn, warmup: int = 5, iters: int = 20) -> Measure:
+    """Median time (CUDA events) and peak extra memory of fn()."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    extra = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return Measure(sorted(times)[len(times) // 2], extra)
+
+
+def markdown_table(title: str, columns: list[str], rows: list[list]) -> str:
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    out = [f"### {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    out += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(out) + "\n"
