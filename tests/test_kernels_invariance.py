@@ -26,9 +26,16 @@ def _check_rowwise(fn, make, row):
             assert torch.equal(out, ref), f"row changed at batch size {m}, position {pos}"
 
 
-def test_linear_batch_invariant():
-    w = torch.randn(96, 48)
-    _check_rowwise(lambda x: K.linear(x, w), lambda m: torch.randn(m, 48), torch.randn(48))
+@pytest.mark.parametrize("k,n", [(48, 96), (64, 1), (4096, 1), (4096, 16), (4096, 300)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_batch_invariant(k, n, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        w = torch.randn(n, k)
+        _check_rowwise(lambda x: K.linear(x, w), lambda m: torch.randn(m, k), torch.randn(k))
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_linear_accuracy_and_grad():
@@ -107,9 +114,10 @@ def _attention_f64(q, k, v, q_pos):
     return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vv)
 
 
-def test_attention_training_prefill_decode_identical():
+@pytest.mark.parametrize("d", [16, 128])
+def test_attention_training_prefill_decode_identical(d):
     torch.manual_seed(1)
-    b, s, h, hkv, d = 3, 41, 4, 2, 16
+    b, s, h, hkv = 3, 41, 4, 2
     q, k, v = torch.randn(b, s, h, d), torch.randn(b, s, hkv, d), torch.randn(b, s, hkv, d)
     pos = torch.arange(s).expand(b, s)
     train = K.causal_attention(q, k, v, pos)
