@@ -23,7 +23,7 @@ from lockstep.framework.rollout.base import SamplingParams
 from lockstep.framework.rollout.sampling import sample_seed
 from lockstep.framework.summary import RunSummary
 from lockstep.framework.tracking.tracker import Tracker
-from lockstep.framework.workers import spawn_actor, spawn_rollouts
+from lockstep.framework.workers import actor_world_size, spawn_actor, spawn_rollouts
 
 RESOLVED_CONFIG = "config.yaml"
 
@@ -62,11 +62,13 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
                               cfg.rollout.max_new_tokens)
     summary = RunSummary(run_dir, cfg.determinism.mode, cfg.trainer.steps)
 
-    with ray_cluster(), placed(Resources(cfg.actor.num_cpus), Resources(cfg.rollout.num_cpus),
-                               cfg.parallel.colocate, cfg.rollout.num_engines) as placement:
+    actor_res = Resources(cfg.actor.num_cpus, cfg.actor.num_gpus)
+    with ray_cluster(), placed(actor_res, Resources(cfg.rollout.num_cpus, cfg.rollout.num_gpus),
+                               cfg.parallel.colocate, cfg.rollout.num_engines, actor_world_size(cfg)) as placement:
         actor = spawn_actor(cfg, placement, model_config, tokenizer)
         engines = spawn_rollouts(cfg, placement, model_config, tokenizer)
-        engines.update_weights(actor.weights_for_sync.remote())  # version 0
+        engines.update_weights(actor.weights_for_sync())  # version 0
+        actor.wait_sync()
         tracker = Tracker(run_dir, OmegaConf.to_container(cfg.logger, resolve=True),
                           OmegaConf.to_container(cfg, resolve=True), cfg.trainer.steps, name)
         try:
@@ -81,7 +83,7 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
                     texts = [tokenizer.decode(rollout.tokens[b, rollout.prompt_lens[b]:].tolist()) for b in range(rollout.batch_size)]
                     rewards = torch.tensor([reward_fn(batch[g].prompt, t, batch[g].label) for g, t in zip(group.tolist(), texts)])
                 with timer("logp"):
-                    recomputed = ray.get(actor.compute_logp.remote(rollout))
+                    recomputed = actor.compute_logp(rollout)
                 report = compare_logp(rollout.logp, recomputed.logp, rollout.response_mask(),
                                       rollout.response_tokens(), cfg.logger.worst_tokens)
                 metrics = {**rollout_metrics(rollout, rewards, timer), **report.metrics()}
@@ -90,16 +92,17 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
                     summary.add(step, metrics)
                     raise_on_mismatch(report, step)
                 with timer("train"):
-                    train_metrics = ray.get(actor.train.remote(rollout, rewards, group, recomputed.logp))
+                    train_metrics = actor.train(rollout, rewards, group, recomputed.logp)
                 with timer("weight_sync"):
-                    sync_timings = engines.update_weights(actor.weights_for_sync.remote())
+                    sync_timings = engines.update_weights(actor.weights_for_sync())
+                    actor.wait_sync()
                 timer["perf/step_s"] = time.perf_counter() - t_step
                 metrics.update({f"train/{k}": v for k, v in train_metrics.items()}, **timer,
                                **{f"perf/weight_{k}": v for k, v in sync_timings.items()})
                 tracker.log_step(step, metrics, worst_rows(report, tokenizer))
                 summary.add(step, metrics)
             if cfg.trainer.save_final:
-                ray.get(actor.save.remote(str(run_dir / "checkpoint")))
+                actor.save(str(run_dir / "checkpoint"))
                 tokenizer.save(run_dir / "checkpoint" / TOKENIZER_FILE)
             summary.finish("completed")
         except BaseException as e:
@@ -108,7 +111,7 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
         finally:
             tracker.close(summary.status == "completed")
             # Evidence of what ran, from every worker, whatever happened (the validator needs it).
-            ray.get(actor.write_readback.remote(str(run_dir)))
+            actor.write_readbacks(str(run_dir))
             engines.write_readbacks(str(run_dir))
     return summary
 

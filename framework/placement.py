@@ -33,12 +33,13 @@ class Placement:
 
 
 @contextmanager
-def placed(actor: Resources, rollout: Resources, colocate: bool, num_engines: int = 1):
+def placed(actor: Resources, rollout: Resources, colocate: bool, num_engines: int = 1, actor_workers: int = 1):
+    """actor: resources of one actor rank (actor_workers of them); rollout: of one engine."""
     if colocate:
-        bundles = [{"CPU": actor.num_cpus + num_engines * rollout.num_cpus,
-                    "GPU": actor.num_gpus + num_engines * rollout.num_gpus}]
+        bundles = [{"CPU": actor_workers * actor.num_cpus + num_engines * rollout.num_cpus,
+                    "GPU": actor_workers * actor.num_gpus + num_engines * rollout.num_gpus}]
     else:
-        bundles = [{"CPU": actor.num_cpus, "GPU": actor.num_gpus}] + \
+        bundles = [{"CPU": actor_workers * actor.num_cpus, "GPU": actor_workers * actor.num_gpus}] + \
                   [{"CPU": rollout.num_cpus, "GPU": rollout.num_gpus}] * num_engines
     bundles = [{k: v for k, v in b.items() if v} for b in bundles]
     group = placement_group(bundles, strategy="PACK")

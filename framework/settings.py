@@ -9,7 +9,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 ON_MISMATCH = ("auto", "stop", "report")
-DEVICES = ("cpu",)
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16")
 
 
 class ConfigError(ValueError):
@@ -34,6 +35,11 @@ def validate(cfg: DictConfig) -> None:
     _choice(det.on_mismatch, ON_MISMATCH, "determinism.on_mismatch")
     _choice(det.inject_fault, FAULTS, "determinism.inject_fault")
     _choice(cfg.parallel.device, DEVICES, "parallel.device")
+    _choice(cfg.model.dtype, DTYPES, "model.dtype")
+    if cfg.actor.backend == "megatron" and cfg.parallel.pp != 1:
+        raise ConfigError(f"parallel.pp={cfg.parallel.pp}: the megatron actor runs without pipeline parallelism for now")
+    if cfg.parallel.device == "cpu" and (cfg.actor.num_gpus or cfg.rollout.num_gpus):
+        raise ConfigError("parallel.device=cpu with actor/rollout num_gpus > 0: set parallel.device=cuda")
     for key in ("tp", "cp", "pp", "dp"):  # the actor's parallelism; engines set their own
         if cfg.parallel[key] != 1 and cfg.actor.backend == "native":
             raise ConfigError(f"parallel.{key}={cfg.parallel[key]}: the native actor runs unsharded "
@@ -67,6 +73,7 @@ def model_config(cfg: DictConfig, tokenizer_vocab: int) -> dict:
     vocab = m.pop("vocab_size")
     multiple = m.pop("pad_vocab_multiple")
     m.pop("init_from")
+    m.pop("dtype")
     if vocab == "auto":
         vocab = -(-tokenizer_vocab // multiple) * multiple
     elif not isinstance(vocab, int) or vocab < tokenizer_vocab:

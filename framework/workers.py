@@ -5,11 +5,13 @@ from __future__ import annotations
 import ray
 from omegaconf import DictConfig, OmegaConf
 
+from lockstep.framework.actor.group import ActorGroup
 from lockstep.framework.placement import Placement, Resources
 from lockstep.framework.registry import BackendRegistry
 from lockstep.framework.rollout.fleet import RolloutFleet
 
-ACTORS = BackendRegistry("actor", {"native": "lockstep.framework.actor.native:NativeActor"})
+ACTORS = BackendRegistry("actor", {"native": "lockstep.framework.actor.native:NativeActor",
+                                   "megatron": "lockstep.framework.actor.megatron.worker:MegatronActor"})
 ROLLOUTS = BackendRegistry("rollout", {"native": "lockstep.framework.rollout.native:NativeRolloutEngine",
                                        "vllm": "lockstep.framework.rollout.vllm_engine:VllmRolloutEngine"})
 
@@ -18,21 +20,36 @@ def _determinism(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg.determinism, resolve=True)
 
 
-def spawn_actor(cfg: DictConfig, placement: Placement, model_config: dict, tokenizer):
+def actor_world_size(cfg: DictConfig) -> int:
+    p = cfg.parallel
+    return p.tp * p.cp * p.pp * p.dp
+
+
+def spawn_actor(cfg: DictConfig, placement: Placement, model_config: dict, tokenizer) -> ActorGroup:
     cls = ACTORS.get(cfg.actor.backend)
     a = cfg.actor
     optim = {k: a[k] for k in ("lr", "betas", "eps", "weight_decay", "warmup_steps", "grad_clip")}
-    algo = {k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"}
-    return ray.remote(cls).options(**placement.options(placement.actor_bundle, Resources(a.num_cpus))).remote(
-        model_config, determinism=_determinism(cfg), real_vocab_size=tokenizer.vocab_size,
-        optim=OmegaConf.to_container(OmegaConf.create(optim), resolve=True), algo=algo, seed=cfg.seed,
-        init_from=cfg.model.init_from, num_threads=a.num_cpus)
+    common = dict(determinism=_determinism(cfg), real_vocab_size=tokenizer.vocab_size,
+                  optim=OmegaConf.to_container(OmegaConf.create(optim), resolve=True),
+                  algo={k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"},
+                  seed=cfg.seed, init_from=cfg.model.init_from, num_threads=a.num_cpus, dtype=cfg.model.dtype)
+    resources = placement.options(placement.actor_bundle, Resources(a.num_cpus, a.num_gpus))
+    if a.backend == "native":
+        return ActorGroup([ray.remote(cls).options(**resources).remote(model_config, device=cfg.parallel.device, **common)])
+    world = actor_world_size(cfg)
+    parallel = OmegaConf.to_container(cfg.parallel, resolve=True)
+    workers = [ray.remote(cls).options(**resources).remote(
+        model_config, parallel=parallel, rank=r, world_size=world, max_tokens_per_gpu=a.max_tokens_per_gpu, **common)
+        for r in range(world)]
+    address, port = ray.get(workers[0].rendezvous.remote())  # rank 0 hosts the process-group rendezvous
+    ray.get([w.setup.remote(address, port) for w in workers])
+    return ActorGroup(workers)
 
 
 def _engine_kwargs(cfg: DictConfig, index: int) -> dict:
     r = cfg.rollout
     if r.backend == "native":
-        return {"engine_index": index}
+        return {"engine_index": index, "device": cfg.parallel.device, "dtype": cfg.model.dtype}
     per_engine = -(-r.prompts_per_step // r.num_engines) * r.n_samples
     return {"engine_index": index, "tensor_parallel_size": r.tensor_parallel_size, "max_support": r.max_support,
             "max_batch": per_engine, "gpu_memory_utilization": r.gpu_memory_utilization,
@@ -42,7 +59,7 @@ def _engine_kwargs(cfg: DictConfig, index: int) -> dict:
 def spawn_rollouts(cfg: DictConfig, placement: Placement, model_config: dict, tokenizer) -> RolloutFleet:
     cls = ROLLOUTS.get(cfg.rollout.backend)
     r = cfg.rollout
-    engines = [ray.remote(cls).options(**placement.options(bundle, Resources(r.num_cpus))).remote(
+    engines = [ray.remote(cls).options(**placement.options(bundle, Resources(r.num_cpus, r.num_gpus))).remote(
         model_config, determinism=_determinism(cfg), real_vocab_size=tokenizer.vocab_size,
         eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, num_threads=r.num_cpus, **_engine_kwargs(cfg, i))
         for i, bundle in enumerate(placement.rollout_bundles)]

@@ -15,10 +15,10 @@ CONTRACT_ID = f"lockstep.linear_logp.v2:chunks={NUM_VOCAB_CHUNKS}:tree-merge:fp3
 
 def linear_logp_provider(request):
     ctx = request.context
-    if getattr(request, "tp_group", None) is not None or ctx.vocab.local_size != ctx.vocab.padded_size:
-        raise NotImplementedError("the lockstep provider does not take vocab-sharded requests yet")
     out = linear_logp(ctx.hidden, ctx.projection.weight, request.target_ids, bias=ctx.projection.bias,
                       temperature=request.temperature, real_vocab_size=ctx.vocab.real_size,
-                      with_entropy=request.with_entropy, support_ids=request.support_ids)
+                      with_entropy=request.with_entropy, support_ids=request.support_ids,
+                      vocab_start=ctx.vocab.local_start, full_vocab_size=ctx.vocab.padded_size,
+                      group=getattr(request, "tp_group", None))
     return SimpleNamespace(logp=out.logp, entropy=out.entropy, backend_id=f"lockstep.kernels/{get_backend()}",
                            contract_id=CONTRACT_ID, provenance={"vocab_chunks": NUM_VOCAB_CHUNKS})

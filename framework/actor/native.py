@@ -23,9 +23,11 @@ STATE_FILE = "actor_state.pt"
 
 class NativeActor(Actor):
     def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, optim: dict, algo: dict,
-                 seed: int, init_from: str | None = None, num_threads: int = 1):
+                 seed: int, init_from: str | None = None, num_threads: int = 1, device: str = "cpu",
+                 dtype: str = "float32"):
         torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
+        self.device = torch.device(device)
         self.evidence = ProcessEvidence(determinism, "trainer", "native")
         ops = self.evidence.ops
         if init_from:
@@ -33,7 +35,7 @@ class NativeActor(Actor):
         else:
             self.model = Qwen3ForCausalLM(Qwen3Config(**model_config), ops)
             self.model.init_weights(seed)
-        self.model.train()
+        self.model.to(self.device, getattr(torch, dtype)).train()
         self.real_vocab_size = real_vocab_size
         self.algo = GRPOConfig(**algo)
         # Frozen copy of the initial policy, only when the KL term is on.
@@ -47,20 +49,21 @@ class NativeActor(Actor):
 
     # ---- logprobs ------------------------------------------------------------------------------
     def _teacher_forced(self, model, rollout: Rollout, rows: torch.Tensor, with_entropy: bool):
-        tokens, prompt_lens = rollout.tokens[rows], rollout.prompt_lens[rows]
+        dev = self.device
+        tokens, prompt_lens = rollout.tokens[rows].to(dev), rollout.prompt_lens[rows].to(dev)
         b, length = tokens.shape
-        hidden = model(tokens, torch.arange(length).expand(b, length))
-        mask = rollout.response_mask()[rows]
+        hidden = model(tokens, torch.arange(length, device=dev).expand(b, length))
+        mask = rollout.response_mask()[rows].to(dev)
         bi, ri = mask.nonzero(as_tuple=True)
         src = prompt_lens[bi] + ri - 1  # the hidden state at src predicts the token at src + 1
-        support = rollout.support_ids[rows][bi, ri] if rollout.support_ids is not None else None
+        support = rollout.support_ids[rows].to(dev)[bi, ri] if rollout.support_ids is not None else None
         out = model.token_logp(hidden[bi, src], tokens[bi, src + 1],
                                temperature=rollout.sampling.logp_temperature,
                                real_vocab_size=self.real_vocab_size, with_entropy=with_entropy,
                                support_ids=support)
         shape = mask.shape
-        logp = torch.zeros(shape).index_put((bi, ri), out.logp)
-        entropy = torch.zeros(shape).index_put((bi, ri), out.entropy.detach()) if with_entropy else None
+        logp = torch.zeros(shape, device=dev).index_put((bi, ri), out.logp)
+        entropy = torch.zeros(shape, device=dev).index_put((bi, ri), out.entropy.detach()) if with_entropy else None
         return logp, entropy
 
     def compute_logp(self, rollout: Rollout) -> LogpResult:
@@ -69,13 +72,13 @@ class NativeActor(Actor):
                                f"but the actor holds version {self.version}")
         with torch.no_grad():
             logp, _ = self._teacher_forced(self.model, rollout, torch.arange(rollout.batch_size), False)
-        return LogpResult(logp, self.version)
+        return LogpResult(logp.cpu(), self.version)
 
     # ---- training ------------------------------------------------------------------------------
     def train(self, rollout: Rollout, rewards: torch.Tensor, group_ids: torch.Tensor,
               old_logp: torch.Tensor) -> dict:
-        adv = group_advantages(rewards, group_ids, self.algo.norm_adv_by_std, self.algo.adv_eps)
-        mask = rollout.response_mask()
+        adv = group_advantages(rewards, group_ids, self.algo.norm_adv_by_std, self.algo.adv_eps).to(self.device)
+        mask, old_logp = rollout.response_mask().to(self.device), old_logp.to(self.device)
         sums: dict[str, float] = {}
         for rows in torch.arange(rollout.batch_size).chunk(self.algo.num_minibatches):
             logp, entropy = self._teacher_forced(self.model, rollout, rows, with_entropy=True)

@@ -47,27 +47,41 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def aggregate(x: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+def token_weights(mask: torch.Tensor, how: str) -> torch.Tensor:
+    """[B, R] weights, summing to 1 over the batch, that turn per-token terms into the loss.
+    token_mean: every token alike; seq_mean_token_mean: every sequence alike, its tokens alike.
+    A worker holding only some tokens sums its own tokens' weighted terms: the parts add up to the
+    same loss whatever the split."""
     m = mask.float()
     if how == "token_mean":
-        return (x * m).sum() / m.sum().clamp(min=1)
-    per_seq = (x * m).sum(1) / m.sum(1).clamp(min=1)
-    return per_seq[mask.any(1)].mean()
+        return m / m.sum().clamp(min=1)
+    lengths = m.sum(1, keepdim=True)
+    return m / lengths.clamp(min=1) / (lengths > 0).sum().clamp(min=1)
 
 
-def grpo_loss(logp, old_logp, advantages, mask, cfg: GRPOConfig, ref_logp=None):
-    """logp, old_logp, ref_logp [B, R]; advantages [B]; mask [B, R] -> (loss, metrics)."""
+def aggregate(x: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    return (x * token_weights(mask, how)).sum()
+
+
+def grpo_token_terms(logp, old_logp, advantages, cfg: GRPOConfig, ref_logp=None) -> dict[str, torch.Tensor]:
+    """Per-token [B, R] terms: the clipped policy loss, the k3 KL, clip indicator and ratio."""
     adv = advantages[:, None].expand_as(logp)
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * adv
-    pg = -torch.minimum(unclipped, clipped)
-    pg_loss = aggregate(pg, mask, cfg.loss_agg)
-    kl_loss = aggregate(k3_kl(logp, ref_logp), mask, cfg.loss_agg) if ref_logp is not None else logp.new_zeros(())
+    terms = {"pg": -torch.minimum(unclipped, clipped), "ratio": ratio.detach(),
+             # the clip is active where the clipped objective is the smaller one (verl's pg_clipfrac)
+             "clipped": (clipped < unclipped).float().detach()}
+    terms["kl"] = k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
+    return terms
+
+
+def grpo_loss(logp, old_logp, advantages, mask, cfg: GRPOConfig, ref_logp=None):
+    """logp, old_logp, ref_logp [B, R]; advantages [B]; mask [B, R] -> (loss, metrics)."""
+    t = grpo_token_terms(logp, old_logp, advantages, cfg, ref_logp)
+    w = token_weights(mask, cfg.loss_agg)
+    pg_loss, kl_loss = (t["pg"] * w).sum(), (t["kl"] * w).sum()
     loss = pg_loss + cfg.kl_coef * kl_loss
-    with torch.no_grad():
-        # the clip is active where the clipped objective is the smaller one (verl's pg_clipfrac)
-        clipfrac = aggregate((clipped < unclipped).float(), mask, "token_mean")
-        ratio_mean = aggregate(ratio, mask, "token_mean")
-    return loss, {"pg_loss": pg_loss.item(), "kl_loss": kl_loss.item(), "clipfrac": clipfrac.item(),
-                  "ratio_mean": ratio_mean.item()}
+    tok = token_weights(mask, "token_mean")
+    return loss, {"pg_loss": pg_loss.item(), "kl_loss": kl_loss.item(), "clipfrac": float((t["clipped"] * tok).sum()),
+                  "ratio_mean": float((t["ratio"] * tok).sum())}

@@ -102,9 +102,14 @@ def sdpa_attention(q, k, v, q_pos, scale=None):
 
 
 def naive_linear_logp(hidden, weight, targets, *, bias=None, temperature=None, real_vocab_size=None,
-                      with_entropy=False, support_ids=None):
-    """The usual path: materialise [T, V] logits, log_softmax, gather."""
+                      with_entropy=False, support_ids=None, vocab_start=0, full_vocab_size=None, group=None):
+    """The usual path: materialise [T, V] logits, log_softmax, gather (a vocab shard first gathers
+    the full logits over its group)."""
     logits = F.linear(hidden, weight, bias).float()
+    if group is not None:
+        import torch.distributed.nn.functional as dist_fn
+
+        logits = torch.cat(dist_fn.all_gather(logits.contiguous(), group=group), -1)
     if temperature is not None:
         t = temperature.float().unsqueeze(-1) if isinstance(temperature, torch.Tensor) else float(temperature)
         logits = logits / t
@@ -128,7 +133,9 @@ def native_request_logp(request: LinearLogpRequest) -> LinearLogpResult:
     ctx = request.context
     out = naive_linear_logp(ctx.hidden, ctx.projection.weight, request.target_ids, bias=ctx.projection.bias,
                             temperature=request.temperature, real_vocab_size=ctx.vocab.real_size,
-                            with_entropy=request.with_entropy, support_ids=request.support_ids)
+                            with_entropy=request.with_entropy, support_ids=request.support_ids,
+                            vocab_start=ctx.vocab.local_start, full_vocab_size=ctx.vocab.padded_size,
+                            group=request.tp_group)
     return LinearLogpResult(out.logp, out.entropy, "torch.naive", "none")
 
 
@@ -165,10 +172,12 @@ class ProviderLogp:
             self.import_error = e
 
     def __call__(self, hidden, weight, targets, *, bias=None, temperature=None, real_vocab_size=None,
-                 with_entropy=False, support_ids=None) -> LinearLogpResult:
-        request = LinearLogpRequest(
-            LinearLogpContext(hidden, LinearProjection(weight, bias), VocabPartition.whole(weight.shape[0], real_vocab_size)),
-            targets, temperature, with_entropy, support_ids)
+                 with_entropy=False, support_ids=None, vocab_start=0, full_vocab_size=None,
+                 group=None) -> LinearLogpResult:
+        full = full_vocab_size or weight.shape[0]
+        vocab = VocabPartition(vocab_start, weight.shape[0], real_vocab_size or full, full)
+        request = LinearLogpRequest(LinearLogpContext(hidden, LinearProjection(weight, bias), vocab), targets,
+                                    temperature, with_entropy, support_ids, tp_group=group)
         return compute_linear_logp(request, self.mode, self.provider, native_request_logp,
                                    import_error=self.import_error, record=self.record)
 

@@ -22,14 +22,15 @@ FAULTS = ("none", "rollout_logp_reversed_vocab")
 
 class NativeRolloutEngine(RolloutEngine):
     def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, eos_id: int, pad_id: int,
-                 num_threads: int = 1, engine_index: int = 0):
+                 num_threads: int = 1, engine_index: int = 0, device: str = "cpu", dtype: str = "float32"):
         torch.set_num_threads(num_threads)
+        self.device, self.dtype = torch.device(device), getattr(torch, dtype)
         inject_fault = determinism.get("inject_fault", "none")
         if inject_fault not in FAULTS:
             raise ValueError(f"unknown fault {inject_fault!r}; valid: {', '.join(FAULTS)}")
         self.evidence = ProcessEvidence(determinism, "rollout", "native", instance=engine_index)
         self.cfg = Qwen3Config(**model_config)
-        self.model = Qwen3ForCausalLM(self.cfg, self.evidence.ops).eval().requires_grad_(False)
+        self.model = Qwen3ForCausalLM(self.cfg, self.evidence.ops).to(self.device, self.dtype).eval().requires_grad_(False)
         self.real_vocab_size, self.eos_id, self.pad_id = real_vocab_size, eos_id, pad_id
         self.inject_fault = inject_fault
         self.version = -1
@@ -42,7 +43,7 @@ class NativeRolloutEngine(RolloutEngine):
         t0 = time.perf_counter()
         verify_incoming(payload, self.version)
         t1 = time.perf_counter()
-        self.model.load_hf_state_dict(payload.tensors)
+        self.model.load_hf_state_dict(payload.tensors)  # copies into the engine's device/dtype
         verify_loaded(self.model.hf_state_dict().items(), payload)
         self.version = payload.version
         return {**payload.timings, "verify_s": t1 - t0, "load_s": time.perf_counter() - t1}
@@ -54,8 +55,9 @@ class NativeRolloutEngine(RolloutEngine):
             raise RuntimeError("generate called before the first weight sync")
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seed lists")
+        dev = self.device
         rows = [p for p, s in zip(prompts, seeds) for _ in s]
-        gens = [torch.Generator().manual_seed(int(s)) for ss in seeds for s in ss]
+        gens = [torch.Generator(device=dev).manual_seed(int(s)) for ss in seeds for s in ss]
         b = len(rows)
         prompt_lens = torch.tensor([len(p) for p in rows])
         max_len = int(prompt_lens.max()) + sampling.max_new_tokens
@@ -65,20 +67,21 @@ class NativeRolloutEngine(RolloutEngine):
         tokens = torch.full((b, max_len), self.pad_id, dtype=torch.long)
         for i, p in enumerate(rows):
             tokens[i, : len(p)] = torch.tensor(p)
+        tokens, prompt_lens = tokens.to(dev), prompt_lens.to(dev)
 
-        cache = KVCache(self.cfg, b, max_len)
+        cache = KVCache(self.cfg, b, max_len, dtype=self.dtype, device=dev)
         lp = int(prompt_lens.max())
-        hidden = self.model(tokens[:, :lp], torch.arange(lp).expand(b, lp), cache)
-        last = hidden[torch.arange(b), prompt_lens - 1]  # [B, H]: the state that predicts token 0
+        hidden = self.model(tokens[:, :lp], torch.arange(lp, device=dev).expand(b, lp), cache)
+        last = hidden[torch.arange(b, device=dev), prompt_lens - 1]  # [B, H]: the state that predicts token 0
         pos = prompt_lens.clone()  # where each row's next token goes
-        alive = torch.ones(b, dtype=torch.bool)
+        alive = torch.ones(b, dtype=torch.bool, device=dev)
         step_logp, step_support, step_alive = [], [], []
         for _ in range(sampling.max_new_tokens):
             logits = self.model.logits(last)
             logits[:, self.real_vocab_size:] = float("-inf")
             picked = [sample_row(logits[i], sampling, gens[i]) for i in range(b)]
-            nxt = torch.tensor([t for t, _ in picked])
-            support = pad_supports([s for _, s in picked]) if sampling.restricts_support else None
+            nxt = torch.tensor([t for t, _ in picked], device=dev)
+            support = pad_supports([s for _, s in picked]).to(dev) if sampling.restricts_support else None
             step_logp.append(self._token_logp(last, nxt, sampling, support))
             step_support.append(support)
             step_alive.append(alive.clone())
@@ -97,22 +100,24 @@ class NativeRolloutEngine(RolloutEngine):
         if self.inject_fault == "rollout_logp_reversed_vocab":
             # Test fault: identical math, reversed reduction order (every real id, listed backwards).
             if support is None:
-                support = torch.arange(self.real_vocab_size - 1, -1, -1).expand(len(targets), -1)
+                support = torch.arange(self.real_vocab_size - 1, -1, -1, device=hidden.device).expand(len(targets), -1)
             else:
                 support = support.flip(-1)
         return self.model.token_logp(hidden, targets, temperature=sampling.logp_temperature,
                                      real_vocab_size=self.real_vocab_size, support_ids=support).logp
 
     def _assemble(self, tokens, prompt_lens, step_logp, step_support, step_alive, sampling) -> Rollout:
-        alive = torch.stack(step_alive, 1)  # [B, R]: token r was produced by a live row
+        # Everything leaves the engine on the host (it crosses processes through Ray).
+        tokens, prompt_lens = tokens.cpu(), prompt_lens.cpu()
+        alive = torch.stack(step_alive, 1).cpu()  # [B, R]: token r was produced by a live row
         response_lens = alive.sum(1)
-        logp = torch.where(alive, torch.stack(step_logp, 1), torch.zeros(()))
+        logp = torch.where(alive, torch.stack(step_logp, 1).float().cpu(), torch.zeros(()))
         support = None
         if sampling.restricts_support:
             width = max(s.shape[1] for s in step_support)
             support = torch.full((*alive.shape, width), -1, dtype=torch.long)
             for r, s in enumerate(step_support):
-                support[:, r, : s.shape[1]] = torch.where(alive[:, r, None], s, -1)
+                support[:, r, : s.shape[1]] = torch.where(alive[:, r, None], s.cpu(), -1)
         last_tok = tokens.gather(1, (prompt_lens + response_lens - 1)[:, None])[:, 0]
         finished = last_tok == self.eos_id
         total = int((prompt_lens + response_lens).max())

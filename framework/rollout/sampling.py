@@ -38,7 +38,7 @@ def pad_supports(rows: list[torch.Tensor | None]) -> torch.Tensor:
     width = max(r.numel() for r in rows)
     out = torch.full((len(rows), width), -1, dtype=torch.long)
     for i, r in enumerate(rows):
-        out[i, : r.numel()] = r
+        out[i, : r.numel()] = r.cpu()
     return out
 
 

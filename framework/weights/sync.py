@@ -51,7 +51,8 @@ class WeightPayload:
     @classmethod
     def pack(cls, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> "WeightPayload":
         t0 = time.perf_counter()
-        tensors = {name: t.detach().clone() for name, t in named_tensors}
+        # Staged on the host: the payload crosses processes through Ray's object store.
+        tensors = {name: t.detach().to("cpu", copy=True) for name, t in named_tensors}
         digest = checksum(tensors.items())
         return cls(version, tensors, digest, {"pack_s": time.perf_counter() - t0})
 

@@ -1,0 +1,282 @@
+"""Megatron-core actor: one Ray actor per rank (TP x CP x DP; PP=1).
+
+Per rank: a Qwen3 GPTModel built from lockstep's layer spec (every op a lockstep op), megatron's
+DistributedDataParallel and distributed optimizer, dynamic micro-batching by max_tokens_per_gpu,
+GRPO with an optional frozen reference, and HF-named weights gathered over TP for the engines.
+
+Row ownership: data-parallel ranks own whole samples (strided), context-parallel ranks own the
+response tokens t with t % cp == cp_rank (every CP rank runs the full forward of its samples; CP is
+never a reduction axis of a logprob), tensor-parallel ranks hold vocab shards and compute the same
+logprobs through linear_logp's sharded merge. Each logprob is computed by exactly one rank and
+gathered; the loss is each rank's own tokens' share of the batch loss, so gradients reduced over
+DP x CP add up to the gradient of the whole batch.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lockstep.framework.actor.base import Actor, LogpResult
+from lockstep.framework.algo.grpo import GRPOConfig, group_advantages, grpo_token_terms, token_weights
+from lockstep.framework.consistency.readback import ProcessEvidence
+from lockstep.framework.models.qwen3 import CONFIG_FILE, WEIGHTS_FILE, Qwen3Config, Qwen3ForCausalLM
+from lockstep.framework.rollout.base import Rollout
+from lockstep.framework.weights.sync import WeightPayload
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Greedy contiguous groups of sample indices whose padded size (count x longest) fits
+    max_tokens; a sample longer than max_tokens travels alone."""
+    groups, cur, longest = [], [], 0
+    for i, n in enumerate(lengths):
+        if cur and (len(cur) + 1) * max(longest, n) > max_tokens:
+            groups.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+class MegatronActor(Actor):
+    def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, optim: dict, algo: dict,
+                 seed: int, parallel: dict, rank: int, world_size: int, max_tokens_per_gpu: int,
+                 init_from: str | None = None, num_threads: int = 1, dtype: str = "float32"):
+        self.device = parallel["device"]
+        if self.device == "cpu":
+            from lockstep.framework.actor.megatron import cpu_shims
+
+            cpu_shims.apply()
+        torch.set_num_threads(num_threads)
+        self.args = dict(model_config=model_config, determinism=determinism, optim=optim, algo=algo, seed=seed,
+                         parallel=parallel, init_from=init_from, dtype=dtype)
+        self.rank, self.world_size = rank, world_size
+        self.real_vocab_size, self.max_tokens = real_vocab_size, max_tokens_per_gpu
+        self.algo = GRPOConfig(**algo)
+        self.version = 0
+
+    # ---- set-up (two phases: rank 0 names the rendezvous, then every rank joins it) -------------
+    def rendezvous(self) -> tuple[str, int]:
+        return socket.gethostbyname(socket.gethostname()), free_port()
+
+    def setup(self, address: str, port: int) -> None:
+        from megatron.core import parallel_state as ps
+
+        a, par = self.args, self.args["parallel"]
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        if self.device == "cuda":
+            torch.cuda.set_device(0)  # Ray exposes this rank's GPU as device 0
+            os.environ.setdefault("NCCL_ALGO", "Ring")  # fixed collective algorithm for the gradient reduce
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
+                                world_size=self.world_size)
+        ps.initialize_model_parallel(tensor_model_parallel_size=par["tp"], pipeline_model_parallel_size=par["pp"],
+                                     context_parallel_size=par["cp"])
+        self.tp_group, self.tp = ps.get_tensor_model_parallel_group(), par["tp"]
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.cp, self.cp_rank = par["cp"], ps.get_context_parallel_rank()
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        if self.device == "cuda":
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(a["seed"])
+        self.evidence = ProcessEvidence(a["determinism"], "trainer", "megatron", rank=self.rank)
+        self.cfg = Qwen3Config(**a["model_config"])
+        from lockstep.framework.actor.megatron.model import build_model, load_hf
+
+        hf = self._initial_hf_weights()
+        self.model = build_model(self.cfg, self.evidence.ops, self.tp, a["dtype"], self.device)
+        load_hf(self.model, hf, self.cfg, self.tp, self.tp_rank)
+        self.ref = None
+        if self.algo.kl_coef > 0:
+            self.ref = build_model(self.cfg, self.evidence.ops, self.tp, a["dtype"], self.device)
+            load_hf(self.ref, hf, self.cfg, self.tp, self.tp_rank)
+            self.ref.eval().requires_grad_(False)
+        self._build_optimizer()
+
+    def _initial_hf_weights(self) -> dict[str, torch.Tensor]:
+        """HF-named initial weights: the checkpoint, or the native model's seeded init (so native and
+        megatron actors start from the same weights for the same seed)."""
+        a = self.args
+        if a["init_from"]:
+            from safetensors.torch import load_file
+
+            return load_file(str(Path(a["init_from"]) / WEIGHTS_FILE))
+        model = Qwen3ForCausalLM(self.cfg, self.evidence.ops)
+        model.init_weights(a["seed"])
+        return model.hf_state_dict()
+
+    def _build_optimizer(self) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o, bf16 = self.args["optim"], self.args["dtype"] == "bfloat16"
+        self.ddp = DistributedDataParallel(self.model.config, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False), module=self.model)
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=o["lr"], weight_decay=o["weight_decay"], adam_beta1=o["betas"][0],
+            adam_beta2=o["betas"][1], adam_eps=o["eps"], clip_grad=o["grad_clip"], use_distributed_optimizer=True,
+            bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32), [self.ddp])
+        self.optim_steps = 0
+
+    # ---- logprobs ------------------------------------------------------------------------------
+    def _owned_samples(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows[self.dp_rank::self.dp]
+
+    def _logp_of(self, model, rollout: Rollout, samples: torch.Tensor, with_entropy: bool):
+        """Logprobs of this rank's tokens of `samples`: (logp, entropy, owned) as [B, R] over the
+        whole batch, zero / False outside what this rank computed."""
+        from lockstep.framework.actor.megatron.model import hidden_states, lm_head_shard
+
+        dev = torch.device("cuda") if self.device == "cuda" else torch.device("cpu")
+        shape = rollout.logp.shape
+        logp = torch.zeros(shape, device=dev)
+        entropy = torch.zeros(shape, device=dev) if with_entropy else None
+        owned = torch.zeros(shape, dtype=torch.bool, device=dev)
+        lengths = (rollout.prompt_lens + rollout.response_lens)[samples].tolist()
+        weight, vocab_start = lm_head_shard(model, self.tp_rank)
+        for group in micro_batches(lengths, self.max_tokens):
+            idx = samples[group]
+            width = max(lengths[g] for g in group)
+            tokens = rollout.tokens[idx, :width].to(dev)
+            hidden = hidden_states(model, tokens)  # [b, s, h]
+            mask = rollout.response_mask()[idx].to(dev)
+            bi, ri = mask.nonzero(as_tuple=True)
+            mine = (torch.arange(bi.numel(), device=dev) % self.cp) == self.cp_rank  # CP row ownership
+            bi, ri = bi[mine], ri[mine]
+            src = rollout.prompt_lens[idx].to(dev)[bi] + ri - 1
+            support = rollout.support_ids[idx].to(dev)[bi, ri] if rollout.support_ids is not None else None
+            out = self.evidence.ops.logp.linear_logp(
+                hidden[bi, src], weight, tokens[bi, src + 1], temperature=rollout.sampling.logp_temperature,
+                real_vocab_size=self.real_vocab_size, with_entropy=with_entropy, support_ids=support,
+                vocab_start=vocab_start, full_vocab_size=self.cfg.vocab_size,
+                group=self.tp_group if self.tp > 1 else None)
+            rows = idx.to(dev)[bi]
+            logp = logp.index_put((rows, ri), out.logp)
+            owned = owned.index_put((rows, ri), torch.ones_like(ri, dtype=torch.bool))
+            if with_entropy:
+                entropy = entropy.index_put((rows, ri), out.entropy.detach())
+        return logp, entropy, owned
+
+    def _gather_owned(self, values: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
+        """Assemble [B, R] from every rank's owned entries (each entry has exactly one owner among
+        the DP x CP ranks; TP ranks hold identical copies)."""
+        parts = [torch.empty_like(values) for _ in range(self.world_size)]
+        flags = [torch.empty_like(owned) for _ in range(self.world_size)]
+        dist.all_gather(parts, values.contiguous())
+        dist.all_gather(flags, owned.contiguous())
+        out = torch.zeros_like(values)
+        for p, f in zip(parts, flags):
+            out = torch.where(f, p, out)
+        return out
+
+    def compute_logp(self, rollout: Rollout) -> LogpResult:
+        if rollout.weights_version != self.version:
+            raise RuntimeError(f"rollout was generated with weights version {rollout.weights_version} "
+                               f"but the actor holds version {self.version}")
+        self.model.eval()
+        with torch.no_grad():
+            logp, _, owned = self._logp_of(self.model, rollout, self._owned_samples(torch.arange(rollout.batch_size)), False)
+        return LogpResult(self._gather_owned(logp, owned).float().cpu(), self.version)
+
+    # ---- training ------------------------------------------------------------------------------
+    def train(self, rollout: Rollout, rewards: torch.Tensor, group_ids: torch.Tensor,
+              old_logp: torch.Tensor) -> dict:
+        from megatron.core.distributed import finalize_model_grads
+
+        dev = torch.device("cuda") if self.device == "cuda" else torch.device("cpu")
+        adv = group_advantages(rewards, group_ids, self.algo.norm_adv_by_std, self.algo.adv_eps).to(dev)
+        old_logp, mask = old_logp.to(dev), rollout.response_mask().to(dev)
+        # megatron's DDP averages gradients over DP x CP ranks; each rank's loss is its share of
+        # the batch loss, so scale back to a sum.
+        scale = self.dp * self.cp
+        self.model.train()
+        totals = torch.zeros(6, device=dev, dtype=torch.float64)
+        for rows in torch.arange(rollout.batch_size).chunk(self.algo.num_minibatches):
+            rows_d = rows.to(dev)
+            weights = torch.zeros_like(old_logp)
+            weights[rows_d] = token_weights(mask[rows_d], self.algo.loss_agg)
+            tok = torch.zeros_like(old_logp)
+            tok[rows_d] = token_weights(mask[rows_d], "token_mean")
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            logp, entropy, owned = self._logp_of(self.model, rollout, self._owned_samples(rows), True)
+            ref_logp = None
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref_logp, _, _ = self._logp_of(self.ref, rollout, self._owned_samples(rows), False)
+            t = grpo_token_terms(logp, old_logp, adv, self.algo, ref_logp)
+            w = weights * owned
+            pg, kl = (t["pg"] * w).sum(), (t["kl"] * w).sum()
+            ((pg + self.algo.kl_coef * kl) * scale).backward()
+            finalize_model_grads([self.ddp])
+            self._set_lr()
+            _, grad_norm, _ = self.optimizer.step()
+            tw = tok * owned
+            totals += torch.stack([pg.detach(), kl.detach(), (t["clipped"] * tw).sum(), (t["ratio"] * tw).sum(),
+                                   (entropy * tw).sum(), torch.tensor(float(grad_norm or 0.0), device=dev)]).double()
+        # every token has one owner among DP x CP; TP ranks repeat the same numbers
+        from megatron.core import parallel_state as ps
+
+        dist.all_reduce(totals[:5], group=ps.get_data_parallel_group(with_context_parallel=True))
+        self.version += 1
+        n = self.algo.num_minibatches
+        pg, kl, clip, ratio, ent, gn = (totals / n).tolist()
+        return {"loss": pg + self.algo.kl_coef * kl, "pg_loss": pg, "kl_loss": kl, "clipfrac": clip,
+                "ratio_mean": ratio, "entropy": ent, "grad_norm": gn, "lr": self._lr(),
+                "advantage_abs_mean": float(adv.abs().mean())}
+
+    def _lr(self) -> float:
+        o = self.args["optim"]
+        warmup = max(1, int(o.get("warmup_steps", 0)))
+        return o["lr"] * min(1.0, (self.optim_steps + 1) / warmup)
+
+    def _set_lr(self) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = self._lr()
+        self.optim_steps += 1
+
+    # ---- weights -------------------------------------------------------------------------------
+    def _hf_weights(self):
+        """HF-named full tensors on TP-rank 0 of the first DP/CP slice (streamed layer by layer:
+        one layer's shards are gathered over TP at a time); an empty iterator elsewhere."""
+        from lockstep.framework.actor.megatron.model import iter_hf_weights
+
+        return iter_hf_weights(self.model, self.cfg, self.tp_group if self.tp > 1 else None,
+                               gather_here=self.dp_rank == 0 and self.cp_rank == 0,
+                               emit=self.rank == 0)
+
+    def weights_for_sync(self) -> WeightPayload | None:
+        named = list(self._hf_weights())
+        return WeightPayload.pack(named, self.version) if self.rank == 0 else None
+
+    def write_readback(self, run_dir: str) -> str:
+        return self.evidence.write(run_dir)
+
+    def save(self, path: str) -> None:
+        named = list(self._hf_weights())
+        if self.rank == 0:
+            from safetensors.torch import save_file
+
+            Path(path).mkdir(parents=True, exist_ok=True)
+            import json
+
+            (Path(path) / CONFIG_FILE).write_text(json.dumps(self.cfg.to_hf(), indent=2))
+            save_file({k: v.contiguous().cpu() for k, v in named}, str(Path(path) / WEIGHTS_FILE))
+        dist.barrier()
+
+    def load(self, path: str) -> None:
+        raise NotImplementedError("resume for the megatron actor: start a run from a checkpoint with model.init_from")
+
+
+__all__ = ["MegatronActor", "micro_batches"]
