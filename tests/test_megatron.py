@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-pytest.importorskip("megatron.core")
+if not os.environ.get("LOCKSTEP_REQUIRE_OPTIONAL"):  # CI requires it: a missing install fails
+    pytest.importorskip("megatron.core")
 
 from lockstep.framework.actor.megatron.convert import Qwen3Layout, hf_to_megatron, megatron_to_hf  # noqa: E402
 from lockstep.framework.actor.megatron.worker import micro_batches  # noqa: E402

