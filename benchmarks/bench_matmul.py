@@ -1,0 +1,128 @@
+"""lockstep's Triton GEMM, RMSNorm and SwiGLU against their baselines, on one CUDA device.
+
+- GEMM: lockstep `linear` vs torch.matmul (cuBLAS) on the Qwen3-8B projection shapes in bf16,
+  in TFLOP/s, with the targets lockstep aims for (>= 0.90x cuBLAS for M >= 256, >= 0.75x for
+  M <= 64, where no split-K is allowed).
+- RMSNorm (H=4096) and SwiGLU (width 12288): achieved bandwidth against the roofline (the device's
+  peak bandwidth, an argument) and against the torch composition the model runs without lockstep.
+
+Each measurement replays a CUDA graph of CALLS_PER_GRAPH back-to-back calls, so it times the
+kernels rather than Python launch overhead (a decode-sized GEMM takes a few microseconds); a
+kernel that cannot be captured fails here first. Both sides run in the same process on the same
+inputs; a weight that fits in L2 (o_proj: 32 MiB of H200's 50 MiB) stays cached across calls for
+both, so small-M rows of that shape measure L2 rather than HBM bandwidth.
+
+    python benchmarks/bench_matmul.py [--peak-bandwidth 4.8e12]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+if __package__:  # imported as benchmarks.bench_matmul
+    from ._harness import markdown_table, measure
+else:  # run as a script, or imported with benchmarks/ on sys.path
+    from _harness import markdown_table, measure
+
+import lockstep.kernels as K
+from lockstep.framework.models.ops import torch_rms_norm, torch_silu_mul
+
+QWEN3_8B_PROJECTIONS = [("qkv", 4096, 6144), ("o_proj", 4096, 4096), ("gate_up", 4096, 24576), ("down", 12288, 4096)]
+GEMM_M = [1, 8, 64, 256, 1024, 4096, 16384]
+NORM_M = [256, 4096, 16384]
+HIDDEN = 4096
+FFN_WIDTH = 12288
+H200_PEAK_BANDWIDTH = 4.8e12  # B/s
+CALLS_PER_GRAPH = 10
+DTYPE = torch.bfloat16
+
+
+def _ms_per_call(fn) -> float:
+    """Median milliseconds of one fn() call, replayed from a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream: compiles, cuBLAS handles
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_GRAPH):
+            fn()
+    ms = measure(graph.replay).ms / CALLS_PER_GRAPH
+    del graph
+    return ms
+
+
+def _gemm_target(m: int) -> float:
+    """Throughput lockstep must reach, as a fraction of cuBLAS (GEMM_M has no M in 65..255)."""
+    return 0.90 if m >= 256 else 0.75
+
+
+def gemm_table() -> str:
+    rows = []
+    for name, k, n in QWEN3_8B_PROJECTIONS:
+        w = (torch.randn(n, k, device="cuda") / k**0.5).to(DTYPE)
+        for m in GEMM_M:
+            x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+            tflop = 2 * m * n * k / 1e12
+            cublas = tflop / (_ms_per_call(lambda: torch.matmul(x, w.t())) / 1e3)
+            ours = tflop / (_ms_per_call(lambda: K.linear(x, w)) / 1e3)
+            target = _gemm_target(m)
+            rows.append([f"{name} K={k} N={n}", m, cublas, ours, ours / cublas, f">={target:.2f}",
+                         "pass" if ours / cublas >= target else "miss"])
+            del x
+    columns = ["shape", "M", "cuBLAS TFLOP/s", "lockstep TFLOP/s", "ratio", "target", "pass/miss"]
+    return markdown_table("GEMM (bf16, Qwen3-8B projections) vs cuBLAS", columns, rows)
+
+
+def _bandwidth_rows(label, make_inputs, ours, baseline, bytes_moved, peak_bandwidth):
+    rows = []
+    for m in NORM_M:
+        inputs = make_inputs(m)
+        moved = bytes_moved(m)
+        ours_bw = moved / (_ms_per_call(lambda: ours(*inputs)) / 1e3)
+        torch_bw = moved / (_ms_per_call(lambda: baseline(*inputs)) / 1e3)
+        rows.append([label, m, ours_bw / 1e9, ours_bw / peak_bandwidth, torch_bw / 1e9, ours_bw / torch_bw])
+    return rows
+
+
+def bandwidth_table(peak_bandwidth: float) -> str:
+    size = DTYPE.itemsize
+    w = torch.randn(HIDDEN, device="cuda", dtype=DTYPE)
+    rows = _bandwidth_rows(
+        f"RMSNorm H={HIDDEN}", lambda m: (torch.randn(m, HIDDEN, device="cuda", dtype=DTYPE),),
+        lambda x: K.rms_norm(x, w, 1e-6), lambda x: torch_rms_norm(x, w, 1e-6),
+        lambda m: (2 * m + 1) * HIDDEN * size, peak_bandwidth)  # read x and weight, write y
+    rows += _bandwidth_rows(
+        f"SwiGLU width={FFN_WIDTH}",
+        lambda m: tuple(torch.randn(m, FFN_WIDTH, device="cuda", dtype=DTYPE) for _ in range(2)),
+        K.silu_mul, torch_silu_mul,
+        lambda m: 3 * m * FFN_WIDTH * size, peak_bandwidth)  # read gate and up, write out
+    columns = ["op", "M", "lockstep GB/s", "of roofline", "torch GB/s", "ratio vs torch"]
+    return markdown_table(f"Memory-bound ops (bf16) vs roofline ({peak_bandwidth / 1e12:.2g} TB/s) and torch",
+                          columns, rows)
+
+
+def run(out_md_lines: list[str], peak_bandwidth: float = H200_PEAK_BANDWIDTH) -> None:
+    """Append the GEMM and the memory-bound tables (markdown) to out_md_lines. CUDA only."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_matmul needs a CUDA device")
+    before = K.get_backend()
+    K.set_backend("triton")
+    try:
+        out_md_lines.append(gemm_table())
+        out_md_lines.append(bandwidth_table(peak_bandwidth))
+    finally:
+        K.set_backend(before)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peak-bandwidth", type=float, default=H200_PEAK_BANDWIDTH,
+                        help="peak memory bandwidth of the device in B/s (default: H200)")
+    args = parser.parse_args()
+    lines: list[str] = []
+    run(lines, args.peak_bandwidth)
+    print("\n".join(lines))

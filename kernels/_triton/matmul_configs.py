@@ -1,0 +1,73 @@
+"""Tile configurations of the lockstep GEMM: the table to edit when tuning on a GPU.
+
+What an edit must keep (batch invariance): an output element is always the sum of
+ceil(K / BLOCK_K) `tl.dot` steps of BLOCK_K products each, taken in ascending k and accumulated
+in fp32. BLOCK_K is therefore fixed per dtype (below) and never chosen from M. Everything else in
+a bucket (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages) only decides which program computes an
+element and how the loads are pipelined, not the arithmetic, so it may differ between M buckets.
+
+One more rule for 16-bit dtypes on Hopper: BLOCK_M stays a multiple of 64 and num_warps a
+multiple of 4. Triton then lowers every bucket's tl.dot to wgmma; below that it falls back to
+mma.sync (MMAv2), a different instruction whose rounding has not been verified to be identical.
+
+Shared memory per program (bf16) = num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 bytes of
+operand buffers + BLOCK_M * BLOCK_N * 2 bytes of epilogue staging; keep it under 227 KiB (H100/H200).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    group_m: int  # row tiles that sweep the N tiles together (L2 reuse of weight tiles)
+    num_warps: int
+    num_stages: int
+
+
+BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
+
+# (largest M of the bucket, config), ascending; the last bucket (None) takes every larger M.
+CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
+    # Decode and small batches: the weight read dominates. There is no split-K to add parallelism,
+    # so narrow N tiles make enough tiles to occupy every SM (N=4096 -> 128 tiles), and a deep
+    # pipeline keeps ~32 KiB of weight loads in flight per SM. Rows past M are TMA zero-fill
+    # (no HBM traffic). 8 * (64 + 32) * 64 * 2 B = 96 KiB.
+    (64, GemmConfig(block_m=64, block_n=32, group_m=1, num_warps=4, num_stages=8)),
+    # Medium batches: one warpgroup per 64x128 tile keeps the tile count near one wave at
+    # M=256 (N=4096 -> 128 tiles) while each weight tile is reused across the M tiles from L2.
+    (256, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=5)),
+    # 128x128 keeps wave quantisation low where 128x256 would leave SMs idle (M=1024, N=6144:
+    # 384 tiles = 2.9 waves on 132 SMs instead of 192 tiles = 1.45 waves).
+    (1024, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4)),
+    # Large M: the classic Hopper 128x256x64 tile, two warpgroups, 3 stages
+    # (144 KiB operands + 64 KiB epilogue staging), grouped by 8 for L2 reuse.
+    (None, GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=3)),
+]
+
+# fp32 runs `tl.dot(..., input_precision="ieee")` on FMA units (no tensor cores): exact fp32
+# products, used for tests and small models rather than for speed. Tiles stay small because the
+# operands sit in registers: 3 * (64 + 64) * 32 * 4 B = 48 KiB + 16 KiB staging.
+CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
+    (64, GemmConfig(block_m=64, block_n=32, group_m=1, num_warps=4, num_stages=3)),
+    (None, GemmConfig(block_m=64, block_n=64, group_m=8, num_warps=4, num_stages=3)),
+]
+
+
+def block_k(dtype: torch.dtype) -> int:
+    if dtype not in BLOCK_K:
+        raise ValueError(f"lockstep GEMM supports {', '.join(map(str, BLOCK_K))}, got {dtype}")
+    return BLOCK_K[dtype]
+
+
+def config_for(m: int, dtype: torch.dtype) -> GemmConfig:
+    """The tile configuration of an [m, K] @ [K, N] product in `dtype`."""
+    table = CONFIGS_FP32 if dtype == torch.float32 else CONFIGS_16BIT
+    for largest_m, config in table:
+        if largest_m is None or m <= largest_m:
+            return config
+    raise AssertionError("the last bucket of a config table must have no bound (None)")

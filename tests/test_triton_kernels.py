@@ -1,0 +1,352 @@
+"""The Triton backend of lockstep.kernels (matmul/linear, rms_norm, silu_mul, apply_rope).
+
+CPU tier (Triton's interpreter, small shapes): a row computed alone, inside batches of random sizes
+with random neighbours, at random positions, gives the same bits; results and gradients agree
+with float64 within the bounds below; the custom ops pass torch.library.opcheck.
+GPU tier (@pytest.mark.gpu, Qwen3-8B shapes in bf16): row 0 of every batch size, one per GEMM
+tile bucket, equals the row computed alone.
+"""
+import pytest
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import lockstep.kernels as K  # noqa: E402
+
+# The interpreter turns a program id used as a loop bound into an int the way NumPy deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+SIZES = [1, 3, 16, 17, 40]
+# One M per 16-bit GEMM tile bucket (<=64, <=256, <=1024, larger); the fp32 buckets split at 64.
+GEMM_SIZES = SIZES + [130, 300, 1100]
+DTYPES = [torch.float32, torch.bfloat16]
+
+# Error bounds against float64 on the same (already rounded) inputs, relative to the magnitude the
+# error scales with (e.g. sum_k |a_ik| |b_kj| for a GEMM). fp32: fp32 accumulation and a few
+# roundings. bf16: up to two roundings to bf16 (the normalised value, then the output) plus the
+# fp32 accumulation. A bf16 rounding costs 2^-8 on a GPU (round-to-nearest-even) but up to 2^-7
+# under the interpreter, which converts fp32 to bf16 by truncation (triton 3.6).
+REL = {torch.float32: 1e-6, torch.bfloat16: 2 * 2**-7}
+# Gradients, as a fraction of the largest reference gradient. bf16 adds the rounding of the
+# incoming gradient and of intermediates cast to bf16.
+GRAD_REL = {torch.float32: 1e-6, torch.bfloat16: 2**-5}
+
+
+@pytest.fixture(autouse=True)
+def triton_backend():
+    before = K.get_backend()
+    K.set_backend("triton")
+    yield
+    K.set_backend(before)
+
+
+def _assert_row_invariant(fn, make_batch, row, sizes=SIZES):
+    """fn(*batch)[pos], with `row` (a tuple of per-row tensors) written at `pos` of a batch of
+    random neighbours from make_batch(m), equals fn on the row alone, bit for bit."""
+    alone = fn(*(part.unsqueeze(0) for part in row))[0]
+    for m in sizes:
+        for pos in sorted({0, int(torch.randint(m, ())), m - 1}):
+            batch = make_batch(m)
+            for full, part in zip(batch, row):
+                full[pos] = part
+            assert torch.equal(fn(*batch)[pos], alone), f"row changed at batch size {m}, position {pos}"
+
+
+def _assert_within(out, ref, scale, rel):
+    err = (out.double() - ref).abs()
+    bound = rel * scale + 1e-30
+    assert (err <= bound).all(), f"error exceeds its bound by {(err / bound).max().item():.3g}x"
+
+
+def _assert_grads_close(grads, refs, dtype):
+    for got, ref in zip(grads, refs):
+        assert torch.isfinite(got).all()
+        assert (got.double() - ref).abs().max() <= GRAD_REL[dtype] * ref.abs().max()
+
+
+def _leaf(*shape):
+    return torch.randn(*shape, requires_grad=True)
+
+
+def _f64_leaves(*tensors):
+    return tuple(t.detach().double().requires_grad_() for t in tensors)
+
+
+# ---------------------------------------------------------------- GEMM
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,n", [(200, 72), (20, 1)])  # K and N tails; unaligned strides (copied)
+def test_linear_row_invariant(dtype, k, n):
+    w = torch.randn(n, k).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    _assert_row_invariant(lambda x: K.linear(x, w, bias), lambda m: (torch.randn(m, k).to(dtype),),
+                          (torch.randn(k).to(dtype),), sizes=GEMM_SIZES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul_row_invariant(dtype):
+    b = torch.randn(96, 40).to(dtype)
+    _assert_row_invariant(lambda a: K.matmul(a, b), lambda m: (torch.randn(m, 96).to(dtype),),
+                          (torch.randn(96).to(dtype),))
+
+
+def test_linear_3d_input_and_strides_do_not_change_bits():
+    w = torch.randn(24, 64)
+    x = torch.randn(3, 5, 64)
+    out = K.linear(x, w)
+    assert out.shape == (3, 5, 24)
+    assert torch.equal(out[1, 4], K.linear(x[1, 4:5], w)[0])
+    wide = torch.randn(3, 5, 100)
+    wide[..., :64] = x
+    w_wide = torch.randn(24, 80)
+    w_wide[:, :64] = w
+    assert torch.equal(K.linear(wide[..., :64], w_wide[:, :64]), out)
+    assert torch.equal(K.matmul(x[0], w.t()), K.matmul(x[0].contiguous(), w.t().contiguous()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_accuracy(dtype):
+    x, w, b = torch.randn(37, 200).to(dtype), torch.randn(72, 200).to(dtype), torch.randn(72).to(dtype)
+    ref = F.linear(x.double(), w.double(), b.double())
+    scale = x.double().abs() @ w.double().abs().t() + b.double().abs()
+    _assert_within(K.linear(x, w, b), ref, scale, REL[dtype])
+    _assert_within(K.matmul(x, w.t()), x.double() @ w.double().t(), scale, REL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_grad(dtype):
+    x = torch.randn(2, 19, 80).to(dtype).requires_grad_()
+    w = torch.randn(36, 80).to(dtype).requires_grad_()
+    b = torch.randn(36).to(dtype).requires_grad_()
+    out = K.linear(x, w, b)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (x, w, b), g)
+    xd, wd, bd = _f64_leaves(x, w, b)
+    refs = torch.autograd.grad(F.linear(xd, wd, bd), (xd, wd, bd), g.double())
+    _assert_grads_close(grads, refs, dtype)
+    again = torch.autograd.grad(K.linear(x, w, b), (x, w, b), g)
+    assert all(torch.equal(a, r) for a, r in zip(grads, again)), "backward is not deterministic"
+
+
+def test_matmul_grad():
+    a, b = torch.randn(23, 50, requires_grad=True), torch.randn(50, 30, requires_grad=True)
+    out = K.matmul(a, b)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (a, b), g)
+    ad, bd = _f64_leaves(a, b)
+    _assert_grads_close(grads, torch.autograd.grad(ad @ bd, (ad, bd), g.double()), torch.float32)
+
+
+def test_gemm_custom_ops_pass_opcheck():
+    from lockstep.kernels._triton.matmul import linear_op, matmul_op
+
+    torch.library.opcheck(matmul_op, (_leaf(5, 8), _leaf(8, 4)))
+    torch.library.opcheck(linear_op, (_leaf(3, 5, 8), _leaf(4, 8), _leaf(4)))
+    torch.library.opcheck(linear_op, (_leaf(3, 8), _leaf(4, 8), None))
+
+
+def test_gemm_shape_errors():
+    with pytest.raises(ValueError, match="matmul expects"):
+        K.matmul(torch.randn(3, 4), torch.randn(5, 6))
+    with pytest.raises(ValueError, match="linear"):
+        K.linear(torch.randn(3, 4), torch.randn(6, 5))
+    with pytest.raises(ValueError, match="bias must be"):
+        K.linear(torch.randn(3, 4), torch.randn(6, 4), torch.randn(5))
+    with pytest.raises(ValueError, match="share dtype"):
+        K.matmul(torch.randn(3, 4), torch.randn(4, 6, dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------- RMSNorm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h", [80, 300])
+def test_rms_norm_row_invariant(dtype, h):
+    w = torch.randn(h).to(dtype)
+    _assert_row_invariant(lambda x: K.rms_norm(x, w, 1e-6), lambda m: (torch.randn(m, h).to(dtype),),
+                          (torch.randn(h).to(dtype),))
+    # a row sliced out of a batch (with h=300 its data is not 16-byte aligned) gives the same bits
+    batch = torch.randn(5, h).to(dtype)
+    assert torch.equal(K.rms_norm(batch[3:4], w, 1e-6)[0], K.rms_norm(batch, w, 1e-6)[3])
+
+
+def _rms_norm_f64(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_accuracy_and_grad(dtype):
+    x = (torch.randn(4, 9, 80) * 3).to(dtype).requires_grad_()
+    w = torch.randn(80).to(dtype).requires_grad_()
+    out = K.rms_norm(x, w, 1e-6)
+    assert out.dtype == dtype
+    xd, wd = _f64_leaves(x, w)
+    ref = _rms_norm_f64(xd, wd, 1e-6)
+    _assert_within(out, ref.detach(), ref.detach().abs(), REL[dtype])
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (x, w), g)
+    _assert_grads_close(grads, torch.autograd.grad(ref, (xd, wd), g.double()), dtype)
+    again = torch.autograd.grad(K.rms_norm(x, w, 1e-6), (x, w), g)
+    assert all(torch.equal(a, r) for a, r in zip(grads, again)), "backward is not deterministic"
+
+
+def test_rms_norm_promotes_like_the_reference():
+    x, w = torch.randn(3, 32).to(torch.bfloat16), torch.randn(32)
+    assert K.rms_norm(x, w, 1e-6).dtype == torch.float32
+    with pytest.raises(ValueError, match="rms_norm expects"):
+        K.rms_norm(x, torch.randn(31), 1e-6)
+
+
+# ---------------------------------------------------------------- SwiGLU
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_row_invariant(dtype):
+    _assert_row_invariant(lambda g, u: K.silu_mul(g, u),
+                          lambda m: ((torch.randn(m, 40) * 4).to(dtype), torch.randn(m, 40).to(dtype)),
+                          ((torch.randn(40) * 4).to(dtype), torch.randn(40).to(dtype)))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # numpy, interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_accuracy_and_grad(dtype):
+    gate = (torch.randn(6, 24) * 30).to(dtype)
+    gate[0, :2] = torch.tensor([-100.0, 100.0])  # exp(-g) overflows to inf for the first
+    gate.requires_grad_()
+    up = torch.randn(6, 24).to(dtype).requires_grad_()
+    out = K.silu_mul(gate, up)
+    gd, ud = _f64_leaves(gate, up)
+    ref = F.silu(gd) * ud
+    _assert_within(out, ref.detach(), ref.detach().abs(), REL[dtype])
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (gate, up), g)
+    _assert_grads_close(grads, torch.autograd.grad(ref, (gd, ud), g.double()), dtype)
+
+
+# ---------------------------------------------------------------- RoPE
+
+
+def _angles(positions, d=16):
+    return K.rope_cos_sin(positions, d, 10000.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_row_invariant(dtype):
+    def batch(m):
+        cos, sin = _angles(torch.randint(0, 4096, (m,)))
+        return torch.randn(m, 4, 16).to(dtype), cos, sin
+
+    cos, sin = _angles(torch.tensor([1234]))
+    _assert_row_invariant(lambda x, c, s: K.apply_rope(x, c, s), batch,
+                          (torch.randn(4, 16).to(dtype), cos[0], sin[0]))
+
+
+def test_rope_layouts_match():
+    """[B, T, H, D] with per-sequence and shared cos/sin, and a token alone, agree bit for bit."""
+    x = torch.randn(2, 7, 3, 16)
+    cos, sin = _angles(torch.arange(7))
+    shared = K.apply_rope(x, cos, sin)
+    per_seq = K.apply_rope(x, cos.expand(2, 7, 16), sin.expand(2, 7, 16))
+    assert torch.equal(shared, per_seq)
+    assert torch.equal(shared[1, 5], K.apply_rope(x[1, 5:6], cos[5:6], sin[5:6])[0])
+    with pytest.raises(ValueError, match="even D"):
+        K.apply_rope(torch.randn(2, 3, 15), cos[:2, :15], sin[:2, :15])
+    with pytest.raises(ValueError, match="do not broadcast"):
+        K.apply_rope(x, cos[:5], sin[:5])
+
+
+def _rope_f64(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_accuracy_and_grad(dtype):
+    x = torch.randn(2, 9, 3, 16).to(dtype).requires_grad_()
+    cos, sin = _angles(torch.randint(0, 4096, (2, 9)))
+    out = K.apply_rope(x, cos, sin)
+    # the reference casts cos/sin to x's dtype first
+    cos_d, sin_d = cos.to(dtype).double(), sin.to(dtype).double()
+    (xd,) = _f64_leaves(x)
+    ref = _rope_f64(xd, cos_d, sin_d)
+    magnitude = x.detach().double().abs()
+    scale = magnitude * cos_d.abs().unsqueeze(-2) + magnitude.roll(8, -1) * sin_d.abs().unsqueeze(-2)
+    _assert_within(out, ref.detach(), scale, REL[dtype])
+    g = torch.randn_like(out)
+    _assert_grads_close(torch.autograd.grad(out, x, g), torch.autograd.grad(ref, xd, g.double()), dtype)
+
+
+def test_elementwise_custom_ops_pass_opcheck():
+    from lockstep.kernels._triton.activation import silu_mul_op
+    from lockstep.kernels._triton.norm import rms_norm_op
+    from lockstep.kernels._triton.rope import apply_rope_op
+
+    cos, sin = _angles(torch.arange(5), 8)
+    torch.library.opcheck(rms_norm_op, (_leaf(3, 16), _leaf(16), 1e-6))
+    torch.library.opcheck(silu_mul_op, (_leaf(3, 8), _leaf(3, 8)))
+    torch.library.opcheck(apply_rope_op, (_leaf(2, 5, 3, 8), cos, sin))
+
+
+# ---------------------------------------------------------------- GPU tier (Qwen3-8B shapes, bf16)
+
+GPU_M = [1, 8, 64, 256, 1024, 4096]
+BF16 = torch.bfloat16
+
+
+def _assert_row0_matches_alone(fn, inputs):
+    """fn(*[t[:m] for t in inputs])[0] equals fn on the first row alone, for every m in GPU_M."""
+    alone = fn(*(t[:1] for t in inputs))[0]
+    for m in GPU_M:
+        assert torch.equal(fn(*(t[:m] for t in inputs))[0], alone), f"row 0 changed at M={m}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 6144), (4096, 12288), (12288, 4096)])
+def test_gpu_linear_row_invariant_qwen3_8b(k, n):
+    from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, config_for
+
+    assert {config_for(m, BF16) for m in GPU_M} == {cfg for _, cfg in CONFIGS_16BIT}, \
+        "GPU_M must hit every tile bucket of the config table"
+    x = torch.randn(max(GPU_M), k, device="cuda", dtype=BF16)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(BF16)
+    _assert_row0_matches_alone(lambda rows: K.linear(rows, w), (x,))
+    out = K.linear(x[:256], w).float()
+    torch.testing.assert_close(out, x[:256].float() @ w.float().t(), rtol=2**-7, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_linear_captures_in_cuda_graph():
+    x = torch.randn(64, 4096, device="cuda", dtype=BF16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=BF16)
+    eager = K.linear(x, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = K.linear(x, w)
+    graph.replay()
+    assert torch.equal(captured, eager)
+
+
+@pytest.mark.gpu
+def test_gpu_rms_norm_row_invariant_qwen3_8b():
+    x = torch.randn(max(GPU_M), 4096, device="cuda", dtype=BF16)
+    w = torch.randn(4096, device="cuda", dtype=BF16)
+    _assert_row0_matches_alone(lambda rows: K.rms_norm(rows, w, 1e-6), (x,))
+
+
+@pytest.mark.gpu
+def test_gpu_silu_mul_row_invariant_qwen3_8b():
+    gate = torch.randn(max(GPU_M), 12288, device="cuda", dtype=BF16) * 4
+    up = torch.randn(max(GPU_M), 12288, device="cuda", dtype=BF16)
+    _assert_row0_matches_alone(K.silu_mul, (gate, up))
+
+
+@pytest.mark.gpu
+def test_gpu_rope_row_invariant_qwen3_8b():
+    positions = torch.randint(0, 32768, (max(GPU_M),), device="cuda")
+    cos, sin = K.rope_cos_sin(positions, 128, 1_000_000.0)
+    q = torch.randn(max(GPU_M), 32, 128, device="cuda", dtype=BF16)
+    _assert_row0_matches_alone(K.apply_rope, (q, cos, sin))
