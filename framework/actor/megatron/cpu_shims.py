@@ -5,7 +5,9 @@ hard-coded `device="cuda"` when it allocates buffers (rotary, global memory buff
 buffers, optimizer flags), the CUDA RNG tracker's `fork`, and `tensor.type() ==
 "torch.cuda.FloatTensor"` checks in the distributed optimizer. In a process with no CUDA at all,
 each of those would fail, so `apply()` answers them for the CPU: CUDA device requests land on the
-CPU, the RNG fork is a no-op (dropout is 0 everywhere) and type names read as their CUDA twins.
+CPU, the RNG fork is a no-op (dropout is 0 everywhere), type names read as their CUDA twins, and
+the stream waits megatron-core 0.19's grad sync issues (`torch.cuda.current_stream().wait_event`)
+do nothing: a CPU process runs everything in order anyway.
 `apply()` refuses to run where CUDA exists: on a GPU nothing here is ever touched.
 """
 from __future__ import annotations
@@ -36,6 +38,17 @@ def _redirect_device_kwarg(fn):
             kwargs["device"] = _cpu_device(kwargs["device"])
         return fn(*args, **kwargs)
     return wrapped
+
+
+class _NoStream:
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return None
 
 
 def _patch_tensor_methods() -> None:
@@ -71,6 +84,7 @@ def apply() -> None:
         setattr(torch, name, _redirect_device_kwarg(getattr(torch, name)))
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
     _patch_tensor_methods()
     from megatron.core.tensor_parallel import random as tp_random
 

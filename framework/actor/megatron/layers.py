@@ -75,6 +75,15 @@ class LockstepRMSNorm(torch.nn.Module):
 class LockstepMLP(MLP):
     op_silu_mul = None
 
+    def __init__(self, config, submodules, tp_group=None, ffn_hidden_size=None, pg_collection=None,
+                 is_mtp_layer=False, name=None, **kwargs):
+        # megatron-core 0.19 builds any MLP class but its own with pg_collection/is_mtp_layer/name;
+        # 0.16 passes only the spec params. Both reach MLP's own constructor here.
+        if pg_collection is not None:
+            tp_group = pg_collection.tp
+        super().__init__(config=config, submodules=submodules, tp_group=tp_group, ffn_hidden_size=ffn_hidden_size,
+                         **kwargs)
+
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         fc1, _ = self.linear_fc1(hidden_states)
         gate, up = torch.chunk(fc1, 2, dim=-1)  # per TP rank fc1 holds [gate_r | up_r]

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One call on a GPU host that has torch/triton but no network: make lockstep importable from the
+# carried wheels, then run the requested stages, logging under $OUT.
+#   bash benchmarks/gpu_session.sh tests kernels e2e
+# Stages: tests (pytest -m gpu on the kernel tests), kernels (benchmarks/kernels.py),
+#         e2e (benchmarks/e2e_1gpu.py: the 1-GPU recipe, strict and off).
+set -uo pipefail
+OUT=${OUT:-/tmp/lockstep-out}
+mkdir -p "$OUT"
+if [ ! -d .site/ray ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target .site .gpu-wheels/a/*.whl > "$OUT/install.log" 2>&1 \
+    || { tail -20 "$OUT/install.log"; exit 1; }
+fi
+# lockstep's folders are mapped into the lockstep.* namespace by setup.py; here, by links.
+mkdir -p .site/lockstep
+for root in framework kernels launch configs recipes; do ln -sfn "$PWD/$root" ".site/lockstep/$root"; done
+export PYTHONPATH=$PWD/.site:$PWD/benchmarks:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+rc=0
+for stage in "$@"; do
+  echo "=== $stage ==="
+  case $stage in
+    tests)   timeout 300 python3 -m pytest -q -m gpu -x tests/test_triton_kernels.py tests/test_triton_logp.py \
+               tests/test_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    kernels) timeout 420 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
+    e2e)     timeout 540 python3 benchmarks/e2e_1gpu.py /tmp/lockstep-e2e > "$OUT/e2e.log" 2>&1
+             cp /tmp/lockstep-e2e/e2e_1gpu.md "$OUT/" 2>/dev/null; tail -30 "$OUT/e2e.log" ;;
+    *)       echo "unknown stage $stage"; rc=2 ;;
+  esac
+done
+exit $rc
