@@ -1,0 +1,121 @@
+"""lockstep's fused linear_logp (Triton backend) against the paths it replaces, on one CUDA device.
+
+Qwen3's LM head in bf16 (H=4096, V=151936), T tokens:
+- forward time against the bare LM-head GEMM (torch.matmul, the floor any logp path pays) and
+  against the naive path (logits = hidden @ W^T in bf16, .float(), log_softmax, gather);
+- forward extra memory against the naive path's;
+- forward+backward time and extra memory against the naive path's. Both backward passes produce
+  the same gradient tensors (grad_hidden, grad_weight: 1.2 GiB at this vocab), so memory is
+  compared beyond those outputs;
+- tensor-parallel shards (V/2, V/4, V/8 local rows): the local forward against the bare GEMM on
+  the same rows.
+Both sides run in the same process on the same inputs (benchmarks/_harness.py).
+
+    python benchmarks/bench_logp.py
+"""
+from __future__ import annotations
+
+import torch
+
+if __package__:  # imported as benchmarks.bench_logp
+    from ._harness import markdown_table, measure
+else:  # run as a script, or imported with benchmarks/ on sys.path
+    from _harness import markdown_table, measure
+
+import lockstep.kernels as K
+
+VOCAB = 151936  # Qwen3
+HIDDEN = 4096
+TOKENS = [256, 4096, 16384]
+SHARD_TOKENS = 4096
+TP_SIZES = [2, 4, 8]
+DTYPE = torch.bfloat16
+FWD_TIME_TARGET = 1.10  # x bare GEMM
+FWD_BWD_TIME_TARGET = 1.00  # x naive forward+backward
+MEMORY_TARGET = 0.10  # x naive extra memory
+GIB = 2**30
+
+
+def _inputs(tokens: int, rows: int = VOCAB):
+    hidden = torch.randn(tokens, HIDDEN, device="cuda", dtype=DTYPE)
+    weight = (torch.randn(rows, HIDDEN, device="cuda") * 0.02).to(DTYPE)
+    targets = torch.randint(0, rows, (tokens,), device="cuda")
+    return hidden, weight, targets
+
+
+def _naive_logp(hidden, weight, targets):
+    logits = hidden @ weight.t()
+    return logits.float().log_softmax(-1).gather(1, targets[:, None])[:, 0]
+
+
+def _lockstep_logp(hidden, weight, targets):
+    return K.linear_logp(hidden, weight, targets).logp
+
+
+def _fwd_bwd(logp_fn, hidden, weight, targets):
+    """The forward, then grad_hidden and grad_weight of sum(logp)."""
+    h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    return torch.autograd.grad(logp_fn(h, w, targets).sum(), (h, w))
+
+
+def _row(tokens, what, baseline, base_value, ours, target):
+    ratio = ours / base_value
+    return [tokens, what, baseline, base_value, ours, ratio, f"<={target:.2f}", "pass" if ratio <= target else "miss"]
+
+
+def _rows_for(tokens: int) -> list[list]:
+    hidden, weight, targets = _inputs(tokens)
+    gemm = measure(lambda: torch.matmul(hidden, weight.t()))
+    naive = measure(lambda: _naive_logp(hidden, weight, targets))
+    ours = measure(lambda: _lockstep_logp(hidden, weight, targets))
+    naive_train = measure(lambda: _fwd_bwd(_naive_logp, hidden, weight, targets))
+    ours_train = measure(lambda: _fwd_bwd(_lockstep_logp, hidden, weight, targets))
+    grads_gib = (hidden.numel() + weight.numel()) * DTYPE.itemsize / GIB
+    return [
+        _row(tokens, "fwd time (ms)", "bare GEMM", gemm.ms, ours.ms, FWD_TIME_TARGET),
+        [tokens, "fwd time (ms)", "naive", naive.ms, ours.ms, ours.ms / naive.ms, "-", "-"],
+        _row(tokens, "fwd extra memory (GiB)", "naive", naive.extra_gib, ours.extra_gib, MEMORY_TARGET),
+        _row(tokens, "fwd+bwd time (ms)", "naive", naive_train.ms, ours_train.ms, FWD_BWD_TIME_TARGET),
+        _row(tokens, "fwd+bwd extra memory beyond the gradients (GiB)", "naive", naive_train.extra_gib - grads_gib,
+             ours_train.extra_gib - grads_gib, MEMORY_TARGET),
+    ]
+
+
+def logp_table() -> str:
+    rows = [row for tokens in TOKENS for row in _rows_for(tokens)]
+    columns = ["T", "measure", "baseline", "baseline value", "lockstep", "ratio", "target", "pass/miss"]
+    return markdown_table(f"linear_logp (bf16, H={HIDDEN}, V={VOCAB}) vs bare GEMM and the naive path", columns, rows)
+
+
+def shard_table() -> str:
+    rows = []
+    for tp in TP_SIZES:
+        local = VOCAB // tp  # whole 4748-column chunks: 32 / tp of them
+        hidden, weight, targets = _inputs(SHARD_TOKENS, local)
+        gemm = measure(lambda: torch.matmul(hidden, weight.t()))
+        # one rank's part of a sharded call: its chunks' states and their merge (no all-gather)
+        ours = measure(lambda: K.linear_logp(hidden, weight, targets, full_vocab_size=VOCAB).logp)
+        ratio = ours.ms / gemm.ms
+        rows.append([f"V/{tp} = {local}", SHARD_TOKENS, gemm.ms, ours.ms, ratio, f"<={FWD_TIME_TARGET:.2f}",
+                     "pass" if ratio <= FWD_TIME_TARGET else "miss"])
+    columns = ["local vocab rows", "T", "bare GEMM ms", "lockstep fwd ms", "ratio", "target", "pass/miss"]
+    return markdown_table("linear_logp forward on a tensor-parallel vocab shard vs its bare GEMM", columns, rows)
+
+
+def run(out_md_lines: list[str]) -> None:
+    """Append the linear_logp tables (markdown) to out_md_lines. CUDA only."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_logp needs a CUDA device")
+    before = K.get_backend()
+    K.set_backend("triton")
+    try:
+        out_md_lines.append(logp_table())
+        out_md_lines.append(shard_table())
+    finally:
+        K.set_backend(before)
+
+
+if __name__ == "__main__":
+    lines: list[str] = []
+    run(lines)
+    print("\n".join(lines))

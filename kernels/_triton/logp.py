@@ -1,0 +1,424 @@
+"""Triton backend of linear_logp's chunk states (semantics: lockstep.kernels.logp.torch_chunk_states).
+
+Forward: one program per (row block, vocab chunk), launched as a 1-D grid in grouped order. A
+program walks its chunk in BLOCK_V-column tiles in increasing column order; a tile's logits are one
+fp32 accumulator built by a BLOCK_K loop over H in increasing k (operands through TMA), and the
+tile is folded at once into each row's running (max, sum exp, sum exp*z). The [T, V] logits never
+exist: memory beyond the inputs is the [T, n_chunks] states.
+
+Batch invariance (bitwise, per row), by construction:
+- a logit is the same sum whatever tile or batch holds it: tl.dot reduces every output element
+  over K on its own, and the K steps are fixed (BLOCK_K, increasing k);
+- a tile's row sums run through an explicit balanced tree over the column index (`_tree_sum`),
+  never `tl.sum`, whose order follows the register layout, which changes with BLOCK_T and warps;
+- the tiles of a chunk merge in increasing column order, whatever BLOCK_T is.
+So BLOCK_T is chosen per call, for occupancy only; the rest of the numerics is the config table.
+
+Backward: the reference's autograd formula with the chunk max as a constant, z recomputed. The
+vocab is processed in slices of whole chunks: a kernel recomputes the slice's logits tile by tile
+(the forward's tiles, so z and p are the forward's bits) and writes dlogits = dz / temperature in
+the input dtype, then two cuBLAS GEMMs add the slice's share to grad_hidden (an fp32 accumulator
+carried across slices, in slice order) and write its rows of grad_weight. Deterministic: no
+atomics, every gradient element comes from one fixed sequence of GEMMs. Memory: one dlogits slice
+(at most a quarter of the vocab, see the tunables) and the fp32 grad_hidden, never all of [T, V].
+Recomputing z costs one more GEMM than keeping it, but keeping it (bf16 [T, V]: 1.16 GiB at T=4096
+on Qwen3's vocab) would on its own exceed the memory budget (a tenth of the naive path's 8.4 GiB).
+
+Both directions are torch custom ops (lockstep::linear_logp_chunk_states[_backward]) with fake
+implementations, and the forward's autograd is registered on the op.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
+from lockstep.kernels._triton._device import INTERPRETING, resident_programs
+from lockstep.kernels._triton._tma import aligned_empty
+from lockstep.kernels.logp import ChunkStates
+
+# ------------------------------------------------------------------------------------------------
+# Tunables: every number to touch when tuning lives here.
+# BLOCK_V and BLOCK_K are part of the numerics (the K steps of each logit, the tiles and sum tree
+# of each chunk): changing one changes bits, identically for every row, batch and side, so trainer
+# and rollout must run the same table. BLOCK_T, the warps, GROUP_T, num_stages and the backward
+# slice only move speed and memory.
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_v: int  # vocab columns per tile (a power of two): the merge step of every chunk
+    block_k: int  # hidden features per dot step: the K steps of every logit
+    num_stages: int  # software-pipeline depth of the (tile, k) loop
+
+
+TILE_CONFIGS = {
+    # 4 stages * (128 + 128) * 64 * 2 B = 128 KiB of operand buffers: one program per SM.
+    torch.bfloat16: TileConfig(block_v=128, block_k=64, num_stages=4),
+    torch.float16: TileConfig(block_v=128, block_k=64, num_stages=4),
+    # fp32: tl.dot(input_precision="ieee") on FMA units, operands in registers: small tiles.
+    torch.float32: TileConfig(block_v=32, block_k=32, num_stages=2),
+}
+# Rows per program -> warps, largest first; a call takes the largest that still gives every SM a
+# program. One warp per 16 rows keeps each row of a 16-bit (wgmma) accumulator inside one warp (its
+# max and sums never cross warps), and no choice is below 64 rows, so Hopper always runs the dot as
+# wgmma, never as mma.sync (an instruction whose rounding has not been checked to be the same).
+BLOCK_T_WARPS = {128: 8, 64: 4}
+GROUP_T = 8  # row blocks that sweep the vocab together: their weight tiles are shared in L2
+# The backward holds the dlogits of one slice of whole chunks: at most BACKWARD_SLICE_CHUNKS chunks
+# (a quarter of the vocab: ~2 bytes per logit against the naive path's ~18, at any T) and at most
+# BACKWARD_SLICE_BYTES (but at least one chunk). Fewer, larger slices mean fewer passes over the
+# fp32 grad_hidden accumulator and larger GEMMs.
+BACKWARD_SLICE_CHUNKS = 8
+BACKWARD_SLICE_BYTES = 512 << 20
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _program_tile(n_row_blocks, n_col_tiles, GROUP_T: tl.constexpr):
+    """(row block, column tile) of this program. GROUP_T row blocks sweep the column tiles side by
+    side, so the programs running at once share their hidden rows and weight rows in L2."""
+    pid = tl.program_id(0)
+    per_group = GROUP_T * n_col_tiles
+    first = (pid // per_group) * GROUP_T
+    size = tl.minimum(n_row_blocks - first, GROUP_T)
+    idx = pid % per_group
+    return first + idx % size, idx // size
+
+
+@triton.jit
+def _dot_tile(h_desc, w_desc, row0, col0, H, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+              BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """hidden[row0:+BLOCK_T] @ weight[col0:+BLOCK_V]^T in fp32, one BLOCK_K step at a time in
+    increasing k: each logit is the same sum whatever tile, row block or batch holds it. Rows past
+    the end and the K tail load as TMA zero-fill, which adds exact zeros."""
+    acc = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        h = h_desc.load([row0, k0])
+        w = w_desc.load([col0, k0]).T
+        if UPCAST:  # see _launch_args: the interpreter cannot dot bf16; the products are exact in fp32
+            h, w = h.to(tl.float32), w.to(tl.float32)
+        # ieee: fp32 operands get exact fp32 FMAs instead of TF32; no effect on 16-bit operands
+        acc = tl.dot(h, w, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _logits(h_desc, w_desc, b_ptr, inv_temp, row0, col0, hi, V_local, H, vocab_start, real_vocab_size,
+            HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+            BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """z = (hidden @ weight^T + bias) / temperature in fp32 for one tile, -inf at columns past the
+    chunk end `hi` or at/after real_vocab_size. Returns (z, cols, valid cols). The division is a
+    multiply by the row's IEEE reciprocal of the temperature: an exact division per logit would
+    cost a MUFU op (shared with exp) and a slow-path check, on the path the MMA waits for."""
+    z = _dot_tile(h_desc, w_desc, row0, col0, H, BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
+    cols = col0 + tl.arange(0, BLOCK_V)
+    if HAS_BIAS:
+        z += tl.load(b_ptr + cols, mask=cols < V_local, other=0.0).to(tl.float32)[None, :]
+    if HAS_TEMP:
+        z *= inv_temp[:, None]
+    valid = (cols < hi) & (vocab_start + cols < real_vocab_size)
+    return tl.where(valid[None, :], z, float("-inf")), cols, valid
+
+
+@triton.jit
+def _tree_sum(x, LOG2_N: tl.constexpr):
+    """Row sums of x [R, 2**LOG2_N] as a balanced tree over the column index (column j meets
+    j + N/2 first, like _invariant.tree_sum): the order is fixed by the columns' indices, never by
+    the register layout the compiler picks for a given BLOCK_T."""
+    for _ in tl.static_range(LOG2_N):
+        x = tl.reshape(x, [x.shape[0], 2, x.shape[1] // 2])
+        first, second = tl.split(tl.permute(x, (0, 2, 1)))
+        x = first + second
+    return tl.reshape(x, [x.shape[0]])
+
+
+@triton.jit
+def _merge_tile(m, s, w, z, valid, WITH_ENTROPY: tl.constexpr, LOG2_V: tl.constexpr):
+    """Fold one tile of z into each row's running (max, sum exp(z - max), sum exp(z - max) * z).
+    While a row has seen only -inf its max stays -inf and exp is taken against 0 instead, so
+    nothing becomes NaN (the reference's `_safe`)."""
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - base)
+    p = tl.exp(z - base[:, None])
+    s = s * alpha + _tree_sum(p, LOG2_V)
+    if WITH_ENTROPY:
+        w = w * alpha + _tree_sum(p * tl.where(valid[None, :], z, 0.0), LOG2_V)
+    return m_new, s, w
+
+
+@triton.jit
+def _row_inputs(temp_ptr, tgt_ptr, row_block, T, vocab_start, HAS_TEMP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The block's rows, which of them exist, 1 / their temperatures, and their targets as local
+    columns (int32: a local column always fits, and the per-logit compare stays one instruction)."""
+    rows = row_block * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    inv_temp = tl.math.div_rn(1.0, tl.load(temp_ptr + rows, mask=row_ok, other=1.0)) if HAS_TEMP else None
+    target = (tl.load(tgt_ptr + rows, mask=row_ok, other=-1) - vocab_start).to(tl.int32)
+    return rows, row_ok, inv_temp, target
+
+
+# T and vocab_start are not specialised: T == 1 or T % 16 == 0 (or a rank's vocab_start) would
+# each get a binary of their own; one binary for every batch size and shard leaves nothing to differ.
+@triton.jit(do_not_specialize=["T", "vocab_start"])
+def _chunk_states_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr,
+                         T, H, V_local, n_chunks, width, vocab_start, real_vocab_size,
+                         HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                         UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+                         BLOCK_K: tl.constexpr, LOG2_V: tl.constexpr, GROUP_T: tl.constexpr):
+    row_block, chunk = _program_tile(tl.cdiv(T, BLOCK_T), n_chunks, GROUP_T)
+    rows, row_ok, inv_temp, target = _row_inputs(temp_ptr, tgt_ptr, row_block, T, vocab_start, HAS_TEMP, BLOCK_T)
+    lo = chunk * width
+    hi = tl.minimum(lo + width, V_local)
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_T], tl.float32)
+    w = tl.zeros([BLOCK_T], tl.float32)
+    tz = tl.zeros([BLOCK_T], tl.float32)
+    # Tiles merge in increasing column order: the order is part of every row's numerics. (flatten:
+    # one software-pipelined loop over (tile, k), so the next tile's loads fly while this one merges.)
+    for c0 in tl.range(lo, hi, BLOCK_V, flatten=True):
+        z, cols, valid = _logits(h_desc, w_desc, b_ptr, inv_temp, row_block * BLOCK_T, c0, hi, V_local, H,
+                                 vocab_start, real_vocab_size, HAS_BIAS, HAS_TEMP, BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
+        # the target's logit plus exact zeros: the same value in any summation order
+        tz += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
+        m, s, w = _merge_tile(m, s, w, z, valid, WITH_ENTROPY, LOG2_V)
+    at = rows * n_chunks + chunk
+    tl.store(m_ptr + at, m, mask=row_ok)
+    tl.store(s_ptr + at, s, mask=row_ok)
+    if WITH_ENTROPY:
+        tl.store(ent_ptr + at, w, mask=row_ok)
+    tl.store(tz_ptr + rows, tz, mask=row_ok & (target >= lo) & (target < hi))
+
+
+@triton.jit(do_not_specialize=["T", "vocab_start"])
+def _dlogits_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, gs_ptr, gw_ptr, gt_ptr, out_ptr,
+                    T, H, V_local, n_chunks, width, vocab_start, real_vocab_size,
+                    chunk0, n_slice_chunks, stride_out,
+                    HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                    UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+                    BLOCK_K: tl.constexpr, LOG2_V: tl.constexpr, GROUP_T: tl.constexpr):
+    """dlogits of chunks [chunk0, chunk0 + n_slice_chunks) into out [T, their columns], one tile per
+    program, tiles laid out per chunk as in the forward: dz = g_s p + g_w p (1 + z) + g_t [j ==
+    target] with p = exp(z - m), then dlogits = dz / temperature (times the reciprocal, as z)."""
+    tiles_per_chunk = tl.cdiv(width, BLOCK_V)
+    row_block, tile = _program_tile(tl.cdiv(T, BLOCK_T), n_slice_chunks * tiles_per_chunk, GROUP_T)
+    chunk = chunk0 + tile // tiles_per_chunk
+    lo = chunk * width
+    hi = tl.minimum(lo + width, V_local)
+    c0 = lo + (tile % tiles_per_chunk) * BLOCK_V
+    if c0 >= hi:  # a trailing tile of a short last chunk
+        return
+    rows, row_ok, inv_temp, target = _row_inputs(temp_ptr, tgt_ptr, row_block, T, vocab_start, HAS_TEMP, BLOCK_T)
+    z, cols, valid = _logits(h_desc, w_desc, b_ptr, inv_temp, row_block * BLOCK_T, c0, hi, V_local, H,
+                             vocab_start, real_vocab_size, HAS_BIAS, HAS_TEMP, BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
+    at = rows * n_chunks + chunk
+    m = tl.load(m_ptr + at, mask=row_ok, other=0.0)
+    p = tl.exp(z - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    dz = p * tl.load(gs_ptr + at, mask=row_ok, other=0.0)[:, None]
+    if WITH_ENTROPY:
+        g_w = tl.load(gw_ptr + at, mask=row_ok, other=0.0)
+        dz += p * (1.0 + tl.where(valid[None, :], z, 0.0)) * g_w[:, None]
+    g_t = tl.load(gt_ptr + rows, mask=row_ok, other=0.0)
+    dz += tl.where(cols[None, :] == target[:, None], g_t[:, None], 0.0)
+    if HAS_TEMP:
+        dz *= inv_temp[:, None]
+    # 64-bit block origin, 32-bit offsets inside the block: the per-element address math stays cheap
+    out = (out_ptr + tl.cast(row_block * BLOCK_T, tl.int64) * stride_out
+           + tl.arange(0, BLOCK_T)[:, None] * stride_out + (cols - chunk0 * width)[None, :])
+    tl.store(out, dz.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < hi)[None, :])
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------------
+
+
+def _tma_rows(t: torch.Tensor) -> torch.Tensor:
+    """t when TMA can read it as a row-major matrix in place (unit inner stride, 16-byte aligned
+    base and row stride, as hidden states and LM heads are), else an aligned copy."""
+    if t.stride(1) == 1 and is_aligned(t) and (t.stride(0) * t.element_size()) % ALIGN_BYTES == 0:
+        return t
+    copy = aligned_empty(t.shape[0], t.shape[1], t.dtype, t.device)
+    copy.copy_(t)
+    return copy
+
+
+def _launch_args(hidden, weight, targets, bias, temperature, *, width, vocab_start, real_vocab_size, with_entropy):
+    """Scalar and per-row arguments shared by both kernels (`_launch` adds the operands and BLOCK_T)."""
+    cfg = TILE_CONFIGS[hidden.dtype]
+    return dict(b_ptr=None if bias is None else bias.contiguous(), temp_ptr=temperature,
+                tgt_ptr=targets.contiguous(), T=hidden.shape[0], H=hidden.shape[1], V_local=weight.shape[0],
+                n_chunks=triton.cdiv(weight.shape[0], width), width=width, vocab_start=vocab_start,
+                real_vocab_size=real_vocab_size, HAS_BIAS=bias is not None, HAS_TEMP=temperature is not None,
+                WITH_ENTROPY=with_entropy,
+                # Triton 3.6's interpreter multiplies bf16 dot operands as raw uint16 bits; widening
+                # them to fp32 is exact, and so are the bf16 products: the GPU's arithmetic.
+                UPCAST=INTERPRETING and hidden.dtype == torch.bfloat16,
+                BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, LOG2_V=cfg.block_v.bit_length() - 1,
+                GROUP_T=GROUP_T, num_stages=cfg.num_stages)
+
+
+def _block_t(n_rows: int, n_col_tiles: int, device: torch.device) -> int:
+    """The largest row block that still gives every SM a program (speed only: no row's numerics
+    depend on it)."""
+    for block in BLOCK_T_WARPS:
+        if triton.cdiv(n_rows, block) * n_col_tiles >= resident_programs(device):
+            return block
+    return block
+
+
+def _launch(kernel, hidden, weight, args: dict, n_col_tiles: int, **outputs) -> None:
+    """Run `kernel` over (row blocks x n_col_tiles) programs, BLOCK_T picked for this launch. The
+    operands go in as host-built TMA descriptors: no program spends time building its own."""
+    block_t = _block_t(hidden.shape[0], n_col_tiles, hidden.device)
+    h_desc = TensorDescriptor.from_tensor(hidden, [block_t, args["BLOCK_K"]])
+    w_desc = TensorDescriptor.from_tensor(weight, [args["BLOCK_V"], args["BLOCK_K"]])
+    kernel[(triton.cdiv(hidden.shape[0], block_t) * n_col_tiles,)](
+        h_desc, w_desc, **args, **outputs, BLOCK_T=block_t, num_warps=BLOCK_T_WARPS[block_t])
+
+
+def _forward(hidden, weight, targets, bias, temperature, vocab_start, width, real_vocab_size, with_entropy):
+    T, n = hidden.shape[0], triton.cdiv(weight.shape[0], width)
+    m, s = (hidden.new_empty(T, n, dtype=torch.float32) for _ in range(2))
+    w = hidden.new_empty(T, n if with_entropy else 0, dtype=torch.float32)
+    target_z = hidden.new_zeros(T, dtype=torch.float32)  # stays 0 where the target is in another shard
+    if T:
+        args = _launch_args(hidden, weight, targets, bias, temperature, width=width, vocab_start=vocab_start,
+                            real_vocab_size=real_vocab_size, with_entropy=with_entropy)
+        _launch(_chunk_states_kernel, _tma_rows(hidden), _tma_rows(weight), args, n,
+                m_ptr=m, s_ptr=s, ent_ptr=w, tz_ptr=target_z)
+    return m, s, w, target_z
+
+
+def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc + a @ b, accumulated into the fp32 acc that is carried across vocab slices (grad_hidden
+    is rounded once at the end, as by one GEMM over the whole vocab)."""
+    if a.dtype == acc.dtype:
+        return torch.addmm(acc, a, b)
+    if a.is_cuda:
+        return torch.addmm(acc, a, b, out_dtype=acc.dtype)
+    return torch.addmm(acc, a.to(acc.dtype), b.to(acc.dtype))  # CPU has no mixed-dtype GEMM (interpreter)
+
+
+def _backward(grad_s, grad_w, grad_t, hidden, weight, targets, bias, temperature, m, vocab_start, width,
+              real_vocab_size, with_entropy, need_hidden, need_weight, need_bias):
+    (T, H), V_local, n = hidden.shape, weight.shape[0], m.shape[1]
+    grad_h = hidden.new_zeros(T, H, dtype=torch.float32) if need_hidden else None
+    # every row of grad_weight is written below when there are rows (no 1 GiB memset at Qwen3 scale)
+    grad_wt = (weight.new_empty if T else weight.new_zeros)(weight.shape) if need_weight else None
+    grad_b = hidden.new_zeros(V_local, dtype=torch.float32) if need_bias else None
+    if T:
+        args = _launch_args(hidden, weight, targets, bias, temperature, width=width, vocab_start=vocab_start,
+                            real_vocab_size=real_vocab_size, with_entropy=with_entropy)
+        operands = _tma_rows(hidden), _tma_rows(weight)
+        tiles_per_chunk = triton.cdiv(width, args["BLOCK_V"])
+        slice_chunks = max(1, min(BACKWARD_SLICE_CHUNKS, BACKWARD_SLICE_BYTES // (T * width * hidden.element_size())))
+        buffer = hidden.new_empty(T, min(slice_chunks * width, V_local))
+        # Slices in increasing vocab order: grad_hidden's fp32 sum over slices has a fixed order.
+        for c0 in range(0, n, slice_chunks):
+            lo, hi = c0 * width, min((c0 + slice_chunks) * width, V_local)
+            dl = buffer[:, :hi - lo]
+            chunks = min(slice_chunks, n - c0)
+            _launch(_dlogits_kernel, *operands, args, chunks * tiles_per_chunk, m_ptr=m, gs_ptr=grad_s,
+                    gw_ptr=grad_w, gt_ptr=grad_t, out_ptr=dl, chunk0=c0, n_slice_chunks=chunks,
+                    stride_out=dl.stride(0))
+            if need_hidden:
+                grad_h = _add_mm(grad_h, dl, weight[lo:hi])
+            if need_weight:
+                torch.mm(dl.t(), hidden, out=grad_wt[lo:hi])
+            if need_bias:
+                grad_b[lo:hi] = dl.sum(0, dtype=torch.float32)
+    empty = hidden.new_empty(0)
+    return (grad_h.to(hidden.dtype) if need_hidden else empty, grad_wt if need_weight else empty,
+            grad_b.to(bias.dtype) if need_bias else empty)
+
+
+# ------------------------------------------------------------------------------------------------
+# Custom ops and autograd
+# ------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("lockstep::linear_logp_chunk_states", mutates_args=())
+def _chunk_states_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: Optional[torch.Tensor],
+                     temperature: Optional[torch.Tensor], vocab_start: int, width: int, real_vocab_size: int,
+                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m, s, w, target_z); w is [T, 0] without entropy; temperature is None or fp32 [T]."""
+    return _forward(hidden, weight, targets, bias, temperature, vocab_start, width, real_vocab_size, with_entropy)
+
+
+@_chunk_states_op.register_fake
+def _(hidden, weight, targets, bias, temperature, vocab_start, width, real_vocab_size, with_entropy):
+    T, n = hidden.shape[0], triton.cdiv(weight.shape[0], width)
+    states = hidden.new_empty(T, n, dtype=torch.float32)
+    return (states, torch.empty_like(states), hidden.new_empty(T, n if with_entropy else 0, dtype=torch.float32),
+            hidden.new_empty(T, dtype=torch.float32))
+
+
+@torch.library.custom_op("lockstep::linear_logp_chunk_states_backward", mutates_args=())
+def _chunk_states_backward_op(grad_s: torch.Tensor, grad_w: torch.Tensor, grad_t: torch.Tensor, hidden: torch.Tensor,
+                              weight: torch.Tensor, targets: torch.Tensor, bias: Optional[torch.Tensor],
+                              temperature: Optional[torch.Tensor], m: torch.Tensor, vocab_start: int, width: int,
+                              real_vocab_size: int, with_entropy: bool, need_hidden: bool, need_weight: bool,
+                              need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_hidden, grad_weight, grad_bias); an empty tensor for each one not needed."""
+    return _backward(grad_s, grad_w, grad_t, hidden, weight, targets, bias, temperature, m, vocab_start, width,
+                     real_vocab_size, with_entropy, need_hidden, need_weight, need_bias)
+
+
+@_chunk_states_backward_op.register_fake
+def _(grad_s, grad_w, grad_t, hidden, weight, targets, bias, temperature, m, vocab_start, width, real_vocab_size,
+      with_entropy, need_hidden, need_weight, need_bias):
+    empty = hidden.new_empty(0)
+    return (torch.empty_like(hidden) if need_hidden else empty, torch.empty_like(weight) if need_weight else empty,
+            torch.empty_like(bias) if need_bias else empty)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, targets, bias, temperature, *statics = inputs
+    ctx.vocab_start, ctx.width, ctx.real_vocab_size, ctx.with_entropy = statics
+    ctx.mark_non_differentiable(output[0])  # the max is a stabiliser: a constant, as in the reference
+    ctx.save_for_backward(hidden, weight, targets, bias, temperature, output[0])
+
+
+def _chunk_states_backward(ctx, _grad_m, grad_s, grad_w, grad_t):
+    hidden, weight, targets, bias, temperature, m = ctx.saved_tensors
+    need_hidden, need_weight, _, need_bias = ctx.needs_input_grad[:4]
+    grad_h, grad_wt, grad_b = _chunk_states_backward_op(
+        grad_s.contiguous(), grad_w.contiguous(), grad_t.contiguous(), hidden, weight, targets, bias, temperature,
+        m, ctx.vocab_start, ctx.width, ctx.real_vocab_size, ctx.with_entropy, need_hidden, need_weight, need_bias)
+    # the temperature gets no gradient: it is a sampling setting, not a parameter
+    return (grad_h if need_hidden else None, grad_wt if need_weight else None, None,
+            grad_b if need_bias else None, None, None, None, None, None)
+
+
+_chunk_states_op.register_autograd(_chunk_states_backward, setup_context=_setup_context)
+
+
+def _row_temperatures(temperature, hidden: torch.Tensor) -> torch.Tensor | None:
+    """None, or one fp32 temperature per row, whether given as a float or as a tensor (built on the
+    device: no host-to-device copy, so a call stays capturable in a CUDA graph)."""
+    if temperature is None:
+        return None
+    if isinstance(temperature, torch.Tensor):
+        return temperature.to(hidden.device, torch.float32).reshape(-1).expand(hidden.shape[0]).contiguous()
+    return torch.full((hidden.shape[0],), float(temperature), dtype=torch.float32, device=hidden.device)
+
+
+def chunk_states(hidden, weight, targets, *, vocab_start, width, real_vocab_size, bias, temperature,
+                 with_entropy) -> ChunkStates:
+    """Triton version of lockstep.kernels.logp.torch_chunk_states (same signature and semantics)."""
+    m, s, w, target_z = _chunk_states_op(hidden, weight, targets, bias, _row_temperatures(temperature, hidden),
+                                         vocab_start, width, real_vocab_size, with_entropy)
+    local = targets - vocab_start
+    here = (local >= 0) & (local < weight.shape[0])
+    return ChunkStates(m, s, w if with_entropy else None, target_z, here)

@@ -1,0 +1,310 @@
+"""The Triton backend of linear_logp (kernels/_triton/logp.py).
+
+CPU tier (Triton's interpreter, small shapes): logp and entropy agree with a float64 log_softmax
+(fp32 and bf16; float and per-row temperatures, a padded vocab, a bias, chunks of several tiles);
+a row alone equals the row inside batches of random neighbours at random positions, bit for bit;
+the row block size changes no bit; gradients agree with float64 autograd; the vocab-sharded form
+equals the unsharded one bit for bit; the chunk states agree with the torch reference; the custom
+op passes opcheck.
+GPU tier (@pytest.mark.gpu, Qwen3's LM head in bf16): row 0 is the same bits at T = 1, 64 and 4096;
+logp, entropy and gradients agree with an fp32 computation.
+"""
+import os
+import socket
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import lockstep.kernels as K  # noqa: E402
+from lockstep.kernels import logp as logp_module  # noqa: E402
+
+# The interpreter turns a program id used as a loop bound into an int the way NumPy deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+DTYPES = [torch.float32, torch.bfloat16]
+SIZES = [1, 3, 16, 17, 40]
+# Absolute error bounds on logp and entropy against float64 on the same (already rounded) inputs.
+# The kernel keeps logits in fp32 and bf16 products are exact in fp32, so bf16 inputs cost no more
+# than the fp32 accumulation; the bf16 bound leaves room for larger logits only.
+ATOL = {torch.float32: 2e-5, torch.bfloat16: 1e-4}
+# Gradients, as a fraction of the largest reference gradient: bf16 adds the rounding of dlogits
+# (to bf16, as the naive bf16 path does) and of the GEMM outputs.
+GRAD_REL = {torch.float32: 1e-5, torch.bfloat16: 2**-6}
+
+
+@pytest.fixture(autouse=True)
+def triton_backend():
+    K.set_backend("triton")
+    yield
+    K.set_backend("torch")
+
+
+def _triton_logp_module():
+    from lockstep.kernels._triton import logp
+
+    return logp
+
+
+def _inputs(t, h, v, dtype, *, real=None, scale=0.3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(t, h, generator=g).to(dtype)
+    weight = (torch.randn(v, h, generator=g) * scale).to(dtype)
+    targets = torch.randint(0, real or v, (t,), generator=g)
+    return hidden, weight, targets
+
+
+def _temperature(kind, t):
+    if kind == "per_row":
+        return torch.rand(t, generator=torch.Generator().manual_seed(5)) + 0.5
+    return kind
+
+
+def _naive(hidden, weight, targets, *, temperature=None, real=None, bias=None):
+    """float64 log_softmax + gather and entropy; differentiable w.r.t. hidden, weight, bias."""
+    z = hidden.double() @ weight.double().t()
+    if bias is not None:
+        z = z + bias.double()
+    if isinstance(temperature, torch.Tensor):
+        z = z / temperature.double()[:, None]
+    elif temperature is not None:
+        z = z / temperature
+    if real is not None:
+        z = z.masked_fill(torch.arange(z.shape[1]) >= real, float("-inf"))
+    lsm = z.log_softmax(-1)
+    entropy = -(lsm.exp() * lsm.masked_fill(torch.isinf(lsm), 0.0)).sum(-1)
+    return lsm.gather(1, targets[:, None])[:, 0], entropy
+
+
+def _assert_matches_naive(hidden, weight, targets, dtype, **kw):
+    out = K.linear_logp(hidden, weight, targets, with_entropy=True, real_vocab_size=kw.get("real"),
+                        temperature=kw.get("temperature"), bias=kw.get("bias"))
+    ref_logp, ref_entropy = _naive(hidden, weight, targets, **kw)
+    assert (out.logp.double() - ref_logp).abs().max() <= ATOL[dtype]
+    assert (out.entropy.double() - ref_entropy).abs().max() <= ATOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("temperature,with_bias", [(None, False), (0.7, True), ("per_row", False)],
+                         ids=["plain", "float_temperature_bias", "per_row_temperature"])
+def test_logp_and_entropy_match_float64(dtype, temperature, with_bias):
+    hidden, weight, targets = _inputs(13, 48, 300, dtype, real=290)  # 48: a K tail for both BLOCK_K
+    bias = (torch.randn(300) * 0.5).to(dtype) if with_bias else None
+    _assert_matches_naive(hidden, weight, targets, dtype, temperature=_temperature(temperature, 13), real=290,
+                          bias=bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunks_of_several_tiles_match_float64(dtype):
+    # 32 chunks of 132 columns: two 128-column tiles (bf16), five 32-column tiles (fp32) per chunk
+    hidden, weight, targets = _inputs(5, 16, 4200, dtype, real=4190)
+    _assert_matches_naive(hidden, weight, targets, dtype, temperature=_temperature("per_row", 5), real=4190)
+
+
+def _assert_row_invariant(fn, make_batch, row):
+    """fn(*batch)[pos], with `row` (a tuple of per-row tensors) written at `pos` of a batch of
+    random neighbours from make_batch(m), equals fn on the row alone, bit for bit."""
+    alone = fn(*(part.unsqueeze(0) for part in row))[0]
+    for m in SIZES:
+        for pos in sorted({0, int(torch.randint(m, ())), m - 1}):
+            batch = make_batch(m)
+            for full, part in zip(batch, row):
+                full[pos] = part
+            assert torch.equal(fn(*batch)[pos], alone), f"row changed at batch size {m}, position {pos}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_is_batch_invariant(dtype):
+    v, real, h = 40, 37, 24
+    weight = (torch.randn(v, h) * 0.3).to(dtype)
+
+    def fn(hidden, targets, temperature):
+        out = K.linear_logp(hidden, weight, targets, temperature=temperature, real_vocab_size=real,
+                            with_entropy=True)
+        return torch.stack([out.logp, out.entropy], -1)
+
+    def make_batch(m):
+        return torch.randn(m, h).to(dtype), torch.randint(0, real, (m,)), torch.rand(m) + 0.5
+
+    _assert_row_invariant(fn, make_batch, (torch.randn(h).to(dtype), torch.tensor(real - 1), torch.tensor(0.8)))
+
+
+def test_row_block_size_changes_no_bit(monkeypatch):
+    """100 rows as one 128-row block or as two 64-row blocks: the same chunk states."""
+    triton_logp = _triton_logp_module()
+    hidden, weight, targets = _inputs(100, 24, 300, torch.bfloat16, real=290)
+    kw = dict(vocab_start=0, width=logp_module.chunk_width(300), real_vocab_size=290, bias=None,
+              temperature=0.7, with_entropy=True)
+    monkeypatch.setattr(triton_logp, "BLOCK_T_WARPS", {128: 8})
+    one_block = triton_logp.chunk_states(hidden, weight, targets, **kw)
+    monkeypatch.setattr(triton_logp, "BLOCK_T_WARPS", {64: 4})
+    two_blocks = triton_logp.chunk_states(hidden, weight, targets, **kw)
+    for a, b in zip(one_block, two_blocks):
+        assert torch.equal(a, b)
+
+
+def _grads(hidden, weight, bias, targets, temperature, real, g_logp, g_entropy):
+    out = K.linear_logp(hidden, weight, targets, bias=bias, temperature=temperature, real_vocab_size=real,
+                        with_entropy=True)
+    return torch.autograd.grad((out.logp * g_logp).sum() + (out.entropy * g_entropy).sum(), (hidden, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradients_match_float64(dtype, monkeypatch):
+    # 32 chunks of 40 columns, the last one of 10: with fp32's 32-column tiles, the backward's
+    # trailing tile of the last chunk is empty
+    t, h, v, real = 11, 24, 1250, 1245
+    hidden, weight, targets = _inputs(t, h, v, dtype, real=real)
+    hidden, weight = hidden.requires_grad_(), weight.requires_grad_()
+    bias = (torch.randn(v) * 0.1).to(dtype).requires_grad_()
+    temperature = _temperature("per_row", t)
+    g_logp, g_entropy = torch.randn(t), torch.randn(t)
+    grads = _grads(hidden, weight, bias, targets, temperature, real, g_logp, g_entropy)
+    leaves = tuple(x.detach().double().requires_grad_() for x in (hidden, weight, bias))
+    ref_logp, ref_entropy = _naive(leaves[0], leaves[1], targets, temperature=temperature, real=real, bias=leaves[2])
+    refs = torch.autograd.grad((ref_logp * g_logp).sum() + (ref_entropy * g_entropy).sum(), leaves)
+    for got, ref in zip(grads, refs):
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        assert (got.double() - ref).abs().max() <= GRAD_REL[dtype] * ref.abs().max()
+    # one chunk per backward slice: the same gradients up to the order of grad_hidden's fp32 sum
+    # (and the GEMM shapes, which may move a bf16 rounding)
+    monkeypatch.setattr(_triton_logp_module(), "BACKWARD_SLICE_BYTES", 1)
+    for got, sliced in zip(grads, _grads(hidden, weight, bias, targets, temperature, real, g_logp, g_entropy)):
+        assert (got.double() - sliced.double()).abs().max() <= GRAD_REL[dtype] * got.abs().max()
+
+
+def test_chunk_states_agree_with_torch_reference():
+    """The shard of chunks 3..7 of a 320-column vocab (10-column chunks): chunk 6 straddles
+    real_vocab_size, chunk 7 lies past it (all -inf: max -inf, sums 0)."""
+    width = 10
+    hidden, weight, _ = _inputs(9, 32, 320, torch.float32)
+    targets = torch.tensor([0, 35, 39, 40, 64, 29, 60, 50, 10])  # inside and outside the shard
+    kw = dict(vocab_start=3 * width, width=width, real_vocab_size=65, bias=torch.randn(50) * 0.1,
+              temperature=torch.rand(9) + 0.5, with_entropy=True)
+    ours = _triton_logp_module().chunk_states(hidden, weight[30:80], targets, **kw)
+    ref = logp_module.torch_chunk_states(hidden, weight[30:80], targets, **kw)
+    assert torch.equal(ours.m.isinf(), ref.m.isinf()) and torch.equal(ours.target_here, ref.target_here)
+    finite = ref.m.isfinite()
+    assert torch.allclose(ours.m[finite], ref.m[finite], atol=1e-5)
+    for a, b in [(ours.s, ref.s), (ours.w, ref.w), (ours.target_z, ref.target_z)]:
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert (ours.s[~finite] == 0).all() and (ours.w[~finite] == 0).all()
+
+
+def test_empty_batch():
+    hidden, weight, _ = _inputs(0, 16, 64, torch.float32)
+    out = K.linear_logp(hidden, weight, torch.zeros(0, dtype=torch.long), with_entropy=True)
+    assert out.logp.shape == (0,) and out.entropy.shape == (0,)
+
+
+def test_custom_op_passes_opcheck():
+    hidden, weight, targets = _inputs(3, 16, 16, torch.float32)
+    args = (hidden.requires_grad_(), weight.requires_grad_(), targets, None, torch.full((3,), 0.9), 0, 1, 15, True)
+    torch.library.opcheck(_triton_logp_module()._chunk_states_op, args)
+
+
+# ---------------------------------------------------------------- vocab-sharded (gloo)
+
+SHARD_V, SHARD_REAL, SHARD_H, SHARD_T = 256, 250, 24, 9
+
+
+def _shard_inputs():
+    return _inputs(SHARD_T, SHARD_H, SHARD_V, torch.float32, real=SHARD_REAL, scale=0.5, seed=11)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sharded_logp(hidden, weight, targets, **kw):
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    out = K.linear_logp(h, w, targets, temperature=0.7, with_entropy=True, real_vocab_size=SHARD_REAL, **kw)
+    out.logp.sum().backward()
+    return {"logp": out.logp.detach(), "entropy": out.entropy.detach(), "grad_h": h.grad, "grad_w": w.grad}
+
+
+def _rank(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    K.set_backend("triton")
+    hidden, weight, targets = _shard_inputs()
+    shard = SHARD_V // world
+    result = _sharded_logp(hidden, weight[rank * shard:(rank + 1) * shard], targets, vocab_start=rank * shard,
+                           full_vocab_size=SHARD_V, group=dist.group.WORLD)
+    torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_equals_unsharded_bitwise(world, tmp_path):
+    mp.spawn(_rank, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    ref = _sharded_logp(*_shard_inputs())
+    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
+    for r in ranks:  # every rank ends with the full result
+        assert torch.equal(r["logp"], ref["logp"]) and torch.equal(r["entropy"], ref["entropy"])
+    # gradients: each rank holds its shard's weight gradient and a partial hidden gradient
+    assert torch.allclose(torch.cat([r["grad_w"] for r in ranks]), ref["grad_w"], atol=1e-6)
+    assert torch.allclose(sum(r["grad_h"] for r in ranks), ref["grad_h"], atol=1e-5)
+
+
+# ---------------------------------------------------------------- GPU tier: Qwen3's LM head
+
+QWEN3_V, QWEN3_H = 151936, 4096
+
+
+def _qwen3_head(t, *, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(t, QWEN3_H, generator=g, device="cuda").bfloat16()
+    weight = (torch.randn(QWEN3_V, QWEN3_H, generator=g, device="cuda") * 0.02).bfloat16()
+    targets = torch.randint(0, QWEN3_V, (t,), generator=g, device="cuda")
+    return hidden, weight, targets
+
+
+@pytest.mark.gpu
+def test_gpu_row0_bitwise_across_batch_sizes_qwen3():
+    hidden, weight, targets = _qwen3_head(1)
+    rows = {}
+    for t in (1, 64, 4096):  # 64- and 128-row blocks
+        batch = torch.randn(t, QWEN3_H, device="cuda").bfloat16()
+        batch[0] = hidden[0]
+        tgt = torch.randint(0, QWEN3_V, (t,), device="cuda")
+        tgt[0] = targets[0]
+        out = K.linear_logp(batch, weight, tgt, temperature=0.8, with_entropy=True)
+        rows[t] = torch.stack([out.logp[0], out.entropy[0]])
+    assert torch.equal(rows[1], rows[64]) and torch.equal(rows[1], rows[4096])
+
+
+def _fp32_naive(hidden, weight, targets):
+    lsm = (hidden.float() @ weight.float().t()).log_softmax(-1)
+    return lsm.gather(1, targets[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
+
+
+@pytest.mark.gpu
+def test_gpu_accuracy_vs_fp32_qwen3():
+    hidden, weight, targets = _qwen3_head(4096)
+    out = K.linear_logp(hidden, weight, targets, with_entropy=True)
+    with torch.no_grad():
+        ref_logp, ref_entropy = _fp32_naive(hidden, weight, targets)
+    assert (out.logp - ref_logp).abs().max() <= 1e-3
+    assert (out.entropy - ref_entropy).abs().max() <= 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_gradients_vs_fp32_qwen3():
+    hidden, weight, targets = _qwen3_head(512)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    g = torch.randn(512, device="cuda")
+    grads = torch.autograd.grad((K.linear_logp(hidden, weight, targets).logp * g).sum(), (hidden, weight))
+    h32, w32 = (x.detach().float().requires_grad_() for x in (hidden, weight))
+    refs = torch.autograd.grad((_fp32_naive(h32, w32, targets)[0] * g).sum(), (h32, w32))
+    for got, ref in zip(grads, refs):
+        assert (got.float() - ref).abs().max() <= 2**-6 * ref.abs().max()
