@@ -6,7 +6,7 @@ reference backend builds each op from fixed-shape GEMM tiles and fixed reduction
 """
 from lockstep.kernels._backend import BACKENDS, get_backend, set_backend
 from lockstep.kernels.activation import silu_mul
-from lockstep.kernels.attention import KV_BLOCK, causal_attention
+from lockstep.kernels.attention import KV_BLOCK, causal_attention, paged_attention, varlen_attention
 from lockstep.kernels.logp import NUM_VOCAB_CHUNKS, LinearLogpOutput, chunk_width, linear_logp
 from lockstep.kernels.matmul import linear, matmul
 from lockstep.kernels.norm import add_rms_norm, rms_norm
@@ -14,6 +14,7 @@ from lockstep.kernels.rope import apply_rope, rope_cos_sin
 
 __all__ = [
     "BACKENDS", "get_backend", "set_backend", "matmul", "linear", "rms_norm", "add_rms_norm",
-    "silu_mul", "rope_cos_sin", "apply_rope", "causal_attention", "KV_BLOCK", "linear_logp",
+    "silu_mul", "rope_cos_sin", "apply_rope", "causal_attention", "varlen_attention", "paged_attention",
+    "KV_BLOCK", "linear_logp",
     "LinearLogpOutput", "NUM_VOCAB_CHUNKS", "chunk_width",
 ]

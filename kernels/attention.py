@@ -5,6 +5,15 @@ online-softmax state is merged into the running state in that order. A query at 
 p sees keys 0..p of its own sequence; blocks beyond p are exact no-ops (rescale by exp(0) = 1, add
 exact zeros), so the result for a token is the same whether it is computed with the whole sequence
 (training), with its prompt (prefill) or alone against a KV cache (decode), and whatever the batch.
+
+Three entry points share that numerics: `causal_attention` (padded batch / contiguous cache),
+`varlen_attention` (packed training sequences) and `paged_attention` (vLLM's paged cache, prefill,
+chunked prefill and decode). The reference builds the last two by gathering into a padded batch for
+the same core, which is batch-invariant, so all three give a token the same bits. The Triton backend
+(kernels/_triton/attention.py) keeps the same rule with its own block sizes plus a chunk level that
+lets decode split the keys; the two backends agree with float64, not bit for bit with each other.
+Triton backend limits: head_dim a power of two >= 16; q, k, v of one dtype; its backward needs each
+sequence's query positions consecutive (always true in training).
 """
 from __future__ import annotations
 
@@ -16,7 +25,15 @@ import torch.nn.functional as F
 from lockstep.kernels._backend import get_backend
 from lockstep.kernels._invariant import ROW_TILE, tree_sum
 
-KV_BLOCK = 16
+KV_BLOCK = 16  # the reference's block; the Triton backend's is kernels/_triton/attention.py:KV_BLOCK
+
+
+def _check_heads(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hkv: int) -> None:
+    h = q.shape[-2]
+    if h % hkv:
+        raise ValueError(f"{name}: {h} query heads is not a multiple of {hkv} kv heads")
+    if k.shape != v.shape or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"{name}: shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -25,18 +42,91 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     q_pos [B, Tq] absolute position of each query (it attends to keys <= q_pos).
     Returns [B, Tq, H, D]. GQA: H must be a multiple of Hkv.
     """
-    b, tq, h, d = q.shape
-    s_len, hkv = k.shape[1], k.shape[2]
-    if h % hkv:
-        raise ValueError(f"attention: {h} query heads is not a multiple of {hkv} kv heads")
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+    _check_heads("attention", q, k, v, k.shape[-2])
+    if k.shape[0] != q.shape[0]:
         raise ValueError(f"attention: shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
-    if int(q_pos.max()) >= s_len:
-        raise ValueError(f"attention: query position {int(q_pos.max())} has no key (cache holds {s_len})")
+    if int(q_pos.max()) >= k.shape[1]:
+        raise ValueError(f"attention: query position {int(q_pos.max())} has no key (cache holds {k.shape[1]})")
     if get_backend() == "triton":
         from lockstep.kernels._triton.attention import causal_attention as triton_causal_attention
 
         return triton_causal_attention(q, k, v, q_pos, scale)
+    return _reference(q, k, v, q_pos, scale)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float | None = None) -> torch.Tensor:
+    """Causal attention over packed sequences: q [N, H, D]; k, v [N, Hkv, D]; cu_seqlens [B+1] int32
+    (sequence r is tokens cu[r]..cu[r+1]-1, its token i at position i). Returns [N, H, D]."""
+    _check_heads("varlen_attention", q, k, v, k.shape[-2])
+    if k.shape[0] != q.shape[0] or cu_seqlens.dim() != 1 or int(cu_seqlens[-1]) != q.shape[0]:
+        raise ValueError(f"varlen_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must hold the same "
+                         f"tokens, all of them in the sequences of cu_seqlens {cu_seqlens.tolist()}")
+    if get_backend() == "triton":
+        from lockstep.kernels._triton.attention import varlen_attention as triton_varlen_attention
+
+        return triton_varlen_attention(q, k, v, cu_seqlens, scale)
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    idx, valid = _ragged_index(cu_seqlens[:-1], lens)
+    pos = torch.arange(idx.shape[1], device=q.device).expand_as(idx)
+    return _reference(q[idx], k[idx], v[idx], pos, scale)[valid]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float | None = None,
+                    max_query_len: int | None = None, max_seq_len: int | None = None) -> torch.Tensor:
+    """Attention of the queries of R requests against a paged cache (forward only).
+
+    q [N, H, D]; k_cache, v_cache [num_blocks, Hkv, page_size, D]; block_table [R, max_pages] int32
+    (position p of request r lives in page block_table[r, p // page_size], slot p % page_size);
+    seq_lens [R] int32 (keys in the cache, the new ones included); query_start_loc [R+1] int32: the
+    queries of request r are rows qsl[r]..qsl[r+1]-1, its last tokens, at positions
+    seq_len - n_queries .. seq_len - 1 (a prefill, a chunk of one, or a decode step). Returns [N, H, D].
+    max_query_len, max_seq_len: the largest n_queries and seq_len (or any larger bound) when the
+    caller knows them, as vLLM's metadata does; the Triton backend then needs no device-to-host sync
+    and can be captured in a CUDA graph. They never change a bit.
+    """
+    if k_cache.dim() != 4 or q.dim() != 3 or block_table.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"paged_attention: q {tuple(q.shape)} k_cache {tuple(k_cache.shape)} "
+                         f"block_table {tuple(block_table.shape)} seq_lens {tuple(seq_lens.shape)}")
+    _check_heads("paged_attention", q, k_cache, v_cache, k_cache.shape[1])
+    if get_backend() == "triton":
+        from lockstep.kernels._triton.attention import paged_attention as triton_paged_attention
+
+        return triton_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
+                                      max_query_len, max_seq_len)
+    n_queries = query_start_loc[1:] - query_start_loc[:-1]
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    q_idx, q_valid = _ragged_index(query_start_loc[:-1], n_queries)
+    q_pos = seq_lens[:, None] - n_queries[:, None] + torch.arange(q_idx.shape[1], device=q.device)
+    k, v = _gather_pages(k_cache, v_cache, block_table, seq_lens)
+    return _reference(q[q_idx], k, v, torch.where(q_valid, q_pos, 0), scale)[q_valid]
+
+
+def _ragged_index(begin: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, max count] row indices of ragged sequences (padding points at row 0) and their mask."""
+    width = max(int(count.max()), 1) if count.numel() else 1
+    offs = torch.arange(width, device=begin.device)
+    valid = offs < count[:, None]
+    return torch.where(valid, begin[:, None].long() + offs, 0), valid
+
+
+def _gather_pages(k_cache, v_cache, block_table, seq_lens) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's keys and values in position order, [R, max seq_len, Hkv, D]; zero past its
+    length (a cache slot never written may hold anything, and 0 * NaN is NaN)."""
+    page_size = k_cache.shape[2]
+    pos = torch.arange(max(int(seq_lens.max()), 1), device=k_cache.device)
+    pages = block_table[:, pos // page_size].long()
+    valid = (pos < seq_lens[:, None])[..., None, None]
+    k = torch.where(valid, k_cache[pages, :, pos % page_size], 0)
+    v = torch.where(valid, v_cache[pages, :, pos % page_size], 0)
+    return k, v
+
+
+def _reference(q, k, v, q_pos, scale):
+    b, tq, h, d = q.shape
+    s_len, hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     group = h // hkv
 

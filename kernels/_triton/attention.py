@@ -1,0 +1,567 @@
+"""Triton attention: one numerics for training (packed or padded), prefill, chunked prefill and
+decode, on packed, padded or paged K/V.
+
+Numerics (the bitwise contract):
+  A query at position p attends to keys 0..p of its sequence. Key positions are cut into chunks
+  of KV_CHUNK and chunks into blocks of KV_BLOCK, both counted from position 0: a page of a paged
+  cache only says where a key lives, never how it is grouped. Inside a chunk, blocks fold into an
+  online-softmax state that starts empty, in increasing order; chunk states then merge into the
+  row's running state in increasing chunk order. Every reduction has a length and an order that
+  do not depend on the query tiling: q.k is a tl.dot over D, P@V and the row sum of P are tl.dots
+  over KV_BLOCK (the row sum multiplies P by a ones matrix: a tl.sum would reduce in the order of
+  the register layout, which follows the tile shape), the row max is exact in any order. Blocks
+  past p inside p's last chunk are exact no-ops (scale by exp2(0) = 1, add exact zeros) and chunks
+  past p merge as exact no-ops (their state is empty), so a tile of many queries and a lone
+  decode query compute the same bits for a row.
+  The chunk level is what lets decode split one row's keys across programs: each program folds
+  one chunk, and a second kernel merges the chunk states in the order a prefill tile merges them
+  in registers.
+
+Rows: a program handles the query heads that share one kv head as rows of its tile, in
+(query, head) order, so each K/V block is loaded once per group (GQA packing, decode included).
+Rows past the end of a sequence repeat its last query: their loads stay in bounds and they are
+never stored.
+
+Entry points are torch custom ops (lockstep::causal_attention, lockstep::varlen_attention,
+lockstep::paged_attention, and the two backward ops) with fake implementations and, for the
+first two, registered autograd.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+# ==== configuration ================================================================================
+# Numerics: part of the contract between trainer and rollout. Launchers read these at call time, so
+# tests may shrink them to exercise many blocks and chunks on short sequences.
+KV_BLOCK = 64  # keys per online-softmax block: the P@V and row-sum dots reduce over exactly this many
+KV_CHUNK = 1024  # keys per chunk (a multiple of KV_BLOCK): the unit decode splits on
+
+# Tuning: changes no forward bit as long as every forward tile runs the same MMA instructions, whose
+# per-element sums then do not depend on the tile's row count. On sm_90 a tile of >= 64 rows runs
+# wgmma (m64nNk16) and a 16-row tile runs mma.sync, a different instruction: hence decode rows are
+# padded to 64, not to the tl.dot minimum of 16 (tests/test_attention.py compiles both kernels for
+# sm_90 and compares their MMA shapes). Backward tiles set the order of the gradient sums, which is
+# fixed for a given table. Register counts below: ptxas for sm_90a, bf16, head_dim 128, group 4.
+TUNING = {
+    # forward over sequences with more than one query: FA2-style 128-row tiles (235 registers)
+    "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=3),
+    # single-query sequences: one program per (sequence, kv head, chunk); rows are the group's query
+    # heads, padded to MIN_ROWS (162 registers; memory-bound, so the padding costs no time)
+    "decode": dict(MIN_ROWS=64, num_warps=4, num_stages=3),
+    # merges the chunk states of each (sequence, kv head) in chunk order
+    "decode_merge": dict(num_warps=4, num_stages=1),
+    # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles (204)
+    "bwd_dkdv": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=8, num_stages=3),
+    # one program per (sequence, kv head, BLOCK_Q rows), looping over BLOCK_KV-key blocks (183)
+    "bwd_dq": dict(BLOCK_Q=128, BLOCK_KV=64, num_warps=8, num_stages=3),
+}
+# ===================================================================================================
+
+_LINEAR_PAGE = 1 << 30  # page size that makes a packed or padded K/V one page per sequence
+_SUM_COLS = tl.constexpr(16)  # width of the ones matrix that computes row sums (the tl.dot minimum)
+_LOG2E = 1.4426950408889634
+
+
+# ---- building blocks (inlined into every kernel, so every path runs the same instructions) --------
+
+@triton.jit
+def _rows(rows, q_begin, n_queries, kv_head, GROUP: tl.constexpr):
+    """Token and head of each tile row: row i is query i // GROUP, head kv_head * GROUP + i % GROUP.
+    Rows past the sequence repeat its last query (in-bounds loads; never stored)."""
+    tok = q_begin + tl.minimum(rows // GROUP, n_queries - 1)
+    return tok.to(tl.int64), kv_head * GROUP + rows % GROUP
+
+
+@triton.jit
+def _kv_offsets(page_row, pos, page_size, stride_page, stride_slot, mask):
+    """Element offsets (head 0) of the keys at positions `pos`: their page, from the sequence's row
+    of the page table, then their slot in it."""
+    page = tl.load(page_row + pos // page_size, mask=mask, other=0)
+    return page.to(tl.int64) * stride_page + (pos % page_size).to(tl.int64) * stride_slot
+
+
+@triton.jit
+def _load_kv(k, v, offsets, mask, D: tl.constexpr):
+    cols = tl.arange(0, D)[None, :]
+    kb = tl.load(k + offsets[:, None] + cols, mask=mask[:, None], other=0.0)
+    vb = tl.load(v + offsets[:, None] + cols, mask=mask[:, None], other=0.0)
+    return kb, vb
+
+
+@triton.jit
+def _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK: tl.constexpr):
+    """Fold one key block into the state (m: row max in log2 units; l: row sums, as _SUM_COLS equal
+    columns; acc: unnormalised output)."""
+    s = tl.dot(q, tl.trans(kb), input_precision="ieee") * qk_scale
+    s = tl.where(key_pos[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    # A row that has seen no key of this chunk yet has m_new = -inf; measuring from 0 keeps its
+    # state exactly empty (l = 0, acc = 0) instead of NaN (exp2(-inf - -inf)).
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m - m_ref)
+    p = tl.math.exp2(s - m_ref[:, None]).to(vb.dtype)
+    ones = tl.full((KV_BLOCK, _SUM_COLS), 1.0, tl.float32).to(vb.dtype)
+    l = tl.dot(p, ones, l * alpha[:, None], input_precision="ieee")
+    acc = tl.dot(p, vb, acc * alpha[:, None], input_precision="ieee")
+    return m_new, l, acc
+
+
+@triton.jit
+def _chunk_state(q, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
+                 ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr):
+    """State of rows `q` (positions `pos`, largest `hi`) over one chunk of keys: from empty, blocks in
+    increasing order. Keys past `hi` are neither visited nor loaded."""
+    m = tl.full((ROWS,), float("-inf"), tl.float32)
+    l = tl.zeros((ROWS, _SUM_COLS), tl.float32)
+    acc = tl.zeros((ROWS, D), tl.float32)
+    start = chunk * KV_CHUNK
+    for lo in range(start, tl.minimum(start + KV_CHUNK, hi + 1), KV_BLOCK):
+        key_pos = lo + tl.arange(0, KV_BLOCK)
+        seen = key_pos <= hi
+        kb, vb = _load_kv(k, v, _kv_offsets(page_row, key_pos, page_size, stride_page, stride_slot, seen), seen, D)
+        m, l, acc = _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK)
+    # all _SUM_COLS columns of l hold the same value, so the max reads it exactly
+    return m, tl.max(l, 1), acc
+
+
+@triton.jit
+def _merge(m, l, acc, m_c, l_c, acc_c):
+    """Merge a chunk state into the running state. The running state is empty only before chunk 0,
+    which every row sees, so the two maxima are never both -inf."""
+    m_new = tl.maximum(m, m_c)
+    a = tl.math.exp2(m - m_new)
+    b = tl.math.exp2(m_c - m_new)
+    return m_new, l * a + l_c * b, acc * a[:, None] + acc_c * b[:, None]
+
+
+@triton.jit
+def _store_rows(out, lse, idx, keep, m, l, acc, D: tl.constexpr):
+    """Normalise and store rows; lse (log2 units) is what the backward recomputes P from."""
+    cols = tl.arange(0, D)[None, :]
+    tl.store(out + idx[:, None] * D + cols, (acc / l[:, None]).to(out.dtype.element_ty), mask=keep[:, None])
+    tl.store(lse + idx, m + tl.math.log2(l), mask=keep)
+
+
+# ---- forward kernels -----------------------------------------------------------------------------
+
+@triton.jit
+def _prefill_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stride_table, page_size,
+                    stride_page, stride_head, stride_slot, n_heads, qk_scale, min_queries,
+                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr):
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest tiles (latest queries) start first
+    kv_head, seq = tl.program_id(1), tl.program_id(2)
+    n_queries = tl.load(q_count + seq)
+    if (tile * BLOCK_Q >= n_queries * GROUP) | (n_queries < min_queries):
+        return
+    rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    tok, head = _rows(rows, tl.load(q_begin + seq), n_queries, kv_head, GROUP)
+    idx = tok * n_heads + head
+    q_tile = tl.load(q + idx[:, None] * D + tl.arange(0, D)[None, :])
+    pos = tl.load(q_pos + tok)
+    hi = tl.max(pos, 0)
+    page_row = page_table + seq * stride_table
+    k, v = k + kv_head * stride_head, v + kv_head * stride_head
+    m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_Q,), tl.float32)
+    acc = tl.zeros((BLOCK_Q, D), tl.float32)
+    for chunk in range(0, hi // KV_CHUNK + 1):  # chunk order is the merge order of the contract
+        m_c, l_c, acc_c = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page,
+                                       stride_slot, qk_scale, BLOCK_Q, D, KV_BLOCK, KV_CHUNK)
+        m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c)
+    _store_rows(out, lse, idx, rows < n_queries * GROUP, m, l, acc, D)
+
+
+@triton.jit
+def _decode_chunk_kernel(q, k, v, part_m, part_l, part_acc, q_begin, q_count, q_pos, page_table,
+                         stride_table, page_size, stride_page, stride_head, stride_slot, n_heads, qk_scale,
+                         n_chunks, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                         KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr):
+    """The state of one chunk of one single-query sequence, for all query heads of one kv head."""
+    chunk, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if tl.load(q_count + seq) != 1:
+        return
+    rows = tl.arange(0, ROWS)
+    tok, head = _rows(rows, tl.load(q_begin + seq), 1, kv_head, GROUP)
+    pos = tl.load(q_pos + tok)
+    hi = tl.max(pos, 0)
+    if chunk * KV_CHUNK > hi:
+        return
+    q_tile = tl.load(q + (tok * n_heads + head)[:, None] * D + tl.arange(0, D)[None, :])
+    m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k + kv_head * stride_head, v + kv_head * stride_head,
+                             page_table + seq * stride_table, page_size, stride_page, stride_slot, qk_scale,
+                             ROWS, D, KV_BLOCK, KV_CHUNK)
+    slot = ((seq * tl.num_programs(1) + kv_head) * n_chunks + chunk).to(tl.int64) * GROUP + rows
+    keep = rows < GROUP
+    tl.store(part_m + slot, m, mask=keep)
+    tl.store(part_l + slot, l, mask=keep)
+    tl.store(part_acc + slot[:, None] * D + tl.arange(0, D)[None, :], acc, mask=keep[:, None])
+
+
+@triton.jit
+def _decode_merge_kernel(part_m, part_l, part_acc, out, lse, q_begin, q_count, q_pos, n_heads, n_chunks,
+                         GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, KV_CHUNK: tl.constexpr):
+    """Merge the chunk states of one single-query sequence in chunk order, as _prefill_kernel does
+    (elementwise, so ROWS needs no padding beyond a power of two)."""
+    kv_head, seq = tl.program_id(0), tl.program_id(1)
+    if tl.load(q_count + seq) != 1:
+        return
+    rows = tl.arange(0, ROWS)
+    tok, head = _rows(rows, tl.load(q_begin + seq), 1, kv_head, GROUP)
+    hi = tl.max(tl.load(q_pos + tok), 0)
+    first = ((seq * tl.num_programs(0) + kv_head) * n_chunks).to(tl.int64) * GROUP + rows % GROUP
+    m = tl.full((ROWS,), float("-inf"), tl.float32)
+    l = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, D), tl.float32)
+    for chunk in range(0, hi // KV_CHUNK + 1):
+        slot = first + chunk * GROUP
+        acc_c = tl.load(part_acc + slot[:, None] * D + tl.arange(0, D)[None, :])
+        m, l, acc = _merge(m, l, acc, tl.load(part_m + slot), tl.load(part_l + slot), acc_c)
+    _store_rows(out, lse, tok * n_heads + head, rows < GROUP, m, l, acc, D)
+
+
+# ---- backward kernels (FA2 style; deterministic: every sum runs in a fixed loop, no atomics) ------
+
+@triton.jit
+def _bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos, page_table, stride_table,
+                     page_size, stride_page, stride_head, stride_slot, kv_count, n_heads, qk_scale, scale,
+                     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+    block, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    lo = block * BLOCK_KV
+    n_keys = tl.load(kv_count + seq)
+    if lo >= n_keys:
+        return
+    key_pos = lo + tl.arange(0, BLOCK_KV)
+    key_ok = key_pos < n_keys
+    offsets = _kv_offsets(page_table + seq * stride_table, key_pos, page_size, stride_page, stride_slot,
+                          key_ok) + kv_head * stride_head
+    kb, vb = _load_kv(k, v, offsets, key_ok, D)
+    dk_acc = tl.zeros((BLOCK_KV, D), tl.float32)
+    dv_acc = tl.zeros((BLOCK_KV, D), tl.float32)
+    n_queries = tl.load(q_count + seq)
+    q_first = tl.load(q_begin + seq)
+    cols = tl.arange(0, D)[None, :]
+    # Query positions are consecutive (checked by the launcher), so the first query that sees this
+    # block is known; row tiles then run in increasing order, which fixes the order of the sums.
+    first_query = tl.minimum(tl.maximum(lo - tl.load(q_pos + q_first), 0), n_queries)
+    for row0 in range(first_query * GROUP // BLOCK_Q * BLOCK_Q, n_queries * GROUP, BLOCK_Q):
+        rows = row0 + tl.arange(0, BLOCK_Q)
+        tok, head = _rows(rows, q_first, n_queries, kv_head, GROUP)
+        idx = tok * n_heads + head
+        q_tile = tl.load(q + idx[:, None] * D + cols)
+        do_tile = tl.load(do + idx[:, None] * D + cols)
+        seen = (key_pos[:, None] <= tl.load(q_pos + tok)[None, :]) & (rows < n_queries * GROUP)[None, :]
+        s_t = tl.dot(kb, tl.trans(q_tile), input_precision="ieee") * qk_scale - tl.load(lse + idx)[None, :]
+        p_t = tl.math.exp2(tl.where(seen, s_t, float("-inf")))
+        dv_acc = tl.dot(p_t.to(do_tile.dtype), do_tile, dv_acc, input_precision="ieee")
+        dp_t = tl.dot(vb, tl.trans(do_tile), input_precision="ieee")
+        ds_t = p_t * (dp_t - tl.load(delta + idx)[None, :])
+        dk_acc = tl.dot(ds_t.to(q_tile.dtype), q_tile, dk_acc, input_precision="ieee")
+    tl.store(dk + offsets[:, None] + cols, (dk_acc * scale).to(dk.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(dv + offsets[:, None] + cols, dv_acc.to(dv.dtype.element_ty), mask=key_ok[:, None])
+
+
+@triton.jit
+def _bwd_dq_kernel(q, k, v, do, lse, delta, dq, q_begin, q_count, q_pos, page_table, stride_table,
+                   page_size, stride_page, stride_head, stride_slot, n_heads, qk_scale, scale,
+                   GROUP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head, seq = tl.program_id(1), tl.program_id(2)
+    n_queries = tl.load(q_count + seq)
+    if tile * BLOCK_Q >= n_queries * GROUP:
+        return
+    rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    tok, head = _rows(rows, tl.load(q_begin + seq), n_queries, kv_head, GROUP)
+    idx = tok * n_heads + head
+    cols = tl.arange(0, D)[None, :]
+    q_tile = tl.load(q + idx[:, None] * D + cols)
+    do_tile = tl.load(do + idx[:, None] * D + cols)
+    row_lse = tl.load(lse + idx)
+    row_delta = tl.load(delta + idx)
+    pos = tl.load(q_pos + tok)
+    hi = tl.max(pos, 0)
+    page_row = page_table + seq * stride_table
+    k, v = k + kv_head * stride_head, v + kv_head * stride_head
+    dq_acc = tl.zeros((BLOCK_Q, D), tl.float32)
+    for lo in range(0, hi + 1, BLOCK_KV):  # increasing key order fixes the order of the sum
+        key_pos = lo + tl.arange(0, BLOCK_KV)
+        seen = key_pos <= hi
+        kb, vb = _load_kv(k, v, _kv_offsets(page_row, key_pos, page_size, stride_page, stride_slot, seen), seen, D)
+        s = tl.dot(q_tile, tl.trans(kb), input_precision="ieee") * qk_scale - row_lse[:, None]
+        p = tl.math.exp2(tl.where(key_pos[None, :] <= pos[:, None], s, float("-inf")))
+        ds = p * (tl.dot(do_tile, tl.trans(vb), input_precision="ieee") - row_delta[:, None])
+        dq_acc = tl.dot(ds.to(kb.dtype), kb, dq_acc, input_precision="ieee")
+    tl.store(dq + idx[:, None] * D + cols, (dq_acc * scale).to(dq.dtype.element_ty),
+             mask=(rows < n_queries * GROUP)[:, None])
+
+
+# ---- host side: where each sequence's queries and keys are -----------------------------------------
+
+class _Queries(NamedTuple):
+    """Queries packed as [N, H, D] (contiguous); sequence r owns rows begin[r] .. begin[r]+count[r]-1."""
+    q: torch.Tensor
+    begin: torch.Tensor  # [R] int32
+    count: torch.Tensor  # [R] int32
+    pos: torch.Tensor  # [N] int32, absolute position of every query
+    max_count: int
+
+
+class _Keys(NamedTuple):
+    """K/V seen as pages: the key at position p of sequence r lives in page table[r, p // page_size],
+    slot p % page_size. A packed or padded K/V is one page per sequence (page_size = _LINEAR_PAGE)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    table: torch.Tensor  # [R, pages] int32
+    page_size: int
+    stride_page: int
+    stride_head: int
+    stride_slot: int
+    n_heads: int
+    count: torch.Tensor  # [R] int32 keys of each sequence
+    max_count: int
+
+
+def _positions(begin: torch.Tensor, count: torch.Tensor, first_pos: torch.Tensor, n: int) -> torch.Tensor:
+    """Position of each of n packed queries: first_pos[r] + (index within its sequence)."""
+    offset = torch.repeat_interleave(first_pos - begin, count, output_size=n)
+    return torch.arange(n, device=begin.device, dtype=torch.int32) + offset
+
+
+def _varlen_layout(q, k, v, cu_seqlens) -> tuple[_Queries, _Keys]:
+    cu = cu_seqlens.int()
+    begin, count = cu[:-1], cu[1:] - cu[:-1]
+    max_count = int(count.max()) if count.numel() else 0
+    pos = _positions(begin, count, torch.zeros_like(begin), q.shape[0])
+    k, v = k.contiguous(), v.contiguous()
+    keys = _Keys(k, v, begin[:, None].contiguous(), _LINEAR_PAGE, k.stride(0), k.stride(1), k.stride(0),
+                 k.shape[1], count, max_count)
+    return _Queries(q.contiguous(), begin, count, pos, max_count), keys
+
+
+def _padded_layout(q, k, v, q_pos) -> tuple[_Queries, _Keys]:
+    b, tq, h, d = q.shape
+    s = k.shape[1]
+    dev = q.device
+    rows = torch.arange(b, device=dev, dtype=torch.int32)
+    k, v = k.contiguous(), v.contiguous()
+    keys = _Keys(k, v, rows[:, None].contiguous(), _LINEAR_PAGE, k.stride(0), k.stride(2), k.stride(1),
+                 k.shape[2], torch.full((b,), s, device=dev, dtype=torch.int32), s)
+    queries = _Queries(q.reshape(b * tq, h, d).contiguous(), rows * tq,
+                       torch.full((b,), tq, device=dev, dtype=torch.int32), q_pos.reshape(-1).int(), tq)
+    return queries, keys
+
+
+def _paged_layout(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len,
+                  max_seq_len) -> tuple[_Queries, _Keys]:
+    """The maxima size the grids; given by the caller, they spare a device-to-host sync (and let
+    the call be captured in a CUDA graph)."""
+    qsl, seq_lens = query_start_loc.int(), seq_lens.int()
+    begin, count = qsl[:-1], qsl[1:] - qsl[:-1]
+    if max_query_len is None or max_seq_len is None:
+        max_query_len, max_seq_len = torch.stack([count.max(), seq_lens.max()]).tolist() if count.numel() else (0, 0)
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("paged_attention: k_cache and v_cache must share strides with a contiguous last dim")
+    pos = _positions(begin, count, seq_lens - count, q.shape[0])
+    keys = _Keys(k_cache, v_cache, block_table.int().contiguous(), k_cache.shape[2], k_cache.stride(0),
+                 k_cache.stride(1), k_cache.stride(2), k_cache.shape[1], seq_lens, max_seq_len)
+    return _Queries(q.contiguous(), begin, count, pos, max_query_len), keys
+
+
+# ---- launchers -----------------------------------------------------------------------------------
+
+def _check(queries: _Queries, keys: _Keys) -> None:
+    d = queries.q.shape[2]
+    if queries.q.dtype != keys.k.dtype:
+        raise ValueError(f"attention (triton): queries are {queries.q.dtype} but keys are {keys.k.dtype}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"attention (triton): head_dim {d} must be a power of two >= 16")
+    if KV_CHUNK % KV_BLOCK or KV_BLOCK < 16 or KV_BLOCK & (KV_BLOCK - 1):
+        raise ValueError(f"attention (triton): KV_BLOCK {KV_BLOCK} must be a power of two >= 16 dividing "
+                         f"KV_CHUNK {KV_CHUNK}")
+
+
+def _page_args(keys: _Keys) -> tuple:
+    return (keys.table, keys.table.stride(0), keys.page_size, keys.stride_page, keys.stride_head, keys.stride_slot)
+
+
+def _forward(queries: _Queries, keys: _Keys, scale: float, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [N, H, D], lse [N, H] in log2 units). decode: single-query sequences go to the split
+    decode kernels (whose programs exit at once for other sequences) and the prefill kernel, launched
+    only when some sequence has more than one query, skips them."""
+    _check(queries, keys)
+    q = queries.q
+    n, h, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((n, h), device=q.device, dtype=torch.float32)
+    n_seqs = queries.count.numel()
+    if n == 0:
+        return out, lse
+    group, qk_scale = h // keys.n_heads, scale * _LOG2E
+    seq_args = (queries.begin, queries.count, queries.pos, *_page_args(keys), h, qk_scale)
+    if decode:
+        _decode(queries, keys, out, lse, group, qk_scale)
+    if queries.max_count > 1 or not decode:
+        cfg = TUNING["prefill"]
+        tiles = triton.cdiv(queries.max_count * group, cfg["BLOCK_Q"])
+        _prefill_kernel[(tiles, keys.n_heads, n_seqs)](
+            q, keys.k, keys.v, out, lse, *seq_args, 2 if decode else 1, GROUP=group, D=d,
+            BLOCK_Q=cfg["BLOCK_Q"], KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
+    return out, lse
+
+
+def decode_rows(group: int) -> int:
+    """Rows of a decode tile: the group's query heads, padded."""
+    return max(TUNING["decode"]["MIN_ROWS"], triton.next_power_of_2(group))
+
+
+def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: float) -> None:
+    q = queries.q
+    d, n_seqs = q.shape[2], queries.count.numel()
+    cfg, merge_cfg = TUNING["decode"], TUNING["decode_merge"]
+    n_chunks = triton.cdiv(keys.max_count, KV_CHUNK)
+    part_m = torch.empty((n_seqs, keys.n_heads, n_chunks, group), device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((*part_m.shape, d), device=q.device, dtype=torch.float32)
+    _decode_chunk_kernel[(n_chunks, keys.n_heads, n_seqs)](
+        q, keys.k, keys.v, part_m, part_l, part_acc, queries.begin, queries.count, queries.pos, *_page_args(keys),
+        q.shape[1], qk_scale, n_chunks, GROUP=group, ROWS=decode_rows(group), D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _decode_merge_kernel[(keys.n_heads, n_seqs)](
+        part_m, part_l, part_acc, out, lse, queries.begin, queries.count, queries.pos, q.shape[1], n_chunks,
+        GROUP=group, ROWS=triton.next_power_of_2(group), D=d, KV_CHUNK=KV_CHUNK, num_warps=merge_cfg["num_warps"],
+        num_stages=merge_cfg["num_stages"])
+
+
+def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):
+    """(dq [N, H, D], dk, dv shaped like keys.k). Needs consecutive query positions per sequence."""
+    q = queries.q
+    n, h, d = q.shape
+    grad = grad.reshape(n, h, d).contiguous()
+    delta = (out.reshape(n, h, d).float() * grad.float()).sum(-1)
+    lse = lse.reshape(n, h).contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(keys.k), torch.empty_like(keys.v)
+    if n == 0:
+        return dq, dk.zero_(), dv.zero_()
+    n_seqs, group, qk_scale = queries.count.numel(), h // keys.n_heads, scale * _LOG2E
+    seq_args = (queries.begin, queries.count, queries.pos, *_page_args(keys))
+    cfg = TUNING["bwd_dkdv"]
+    _bwd_dkdv_kernel[(triton.cdiv(keys.max_count, cfg["BLOCK_KV"]), keys.n_heads, n_seqs)](
+        q, keys.k, keys.v, grad, lse, delta, dk, dv, *seq_args, keys.count, h, qk_scale, scale, GROUP=group, D=d,
+        BLOCK_Q=cfg["BLOCK_Q"], BLOCK_KV=cfg["BLOCK_KV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    cfg = TUNING["bwd_dq"]
+    _bwd_dq_kernel[(triton.cdiv(queries.max_count * group, cfg["BLOCK_Q"]), keys.n_heads, n_seqs)](
+        q, keys.k, keys.v, grad, lse, delta, dq, *seq_args, h, qk_scale, scale, GROUP=group, D=d,
+        BLOCK_Q=cfg["BLOCK_Q"], BLOCK_KV=cfg["BLOCK_KV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return dq, dk, dv
+
+
+# ---- custom ops ----------------------------------------------------------------------------------
+
+@torch.library.custom_op("lockstep::causal_attention", mutates_args=())
+def _causal_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    queries, keys = _padded_layout(q, k, v, q_pos)
+    out, lse = _forward(queries, keys, scale, decode=q.shape[1] == 1)
+    return out.view(q.shape), lse.view(q.shape[:3])
+
+
+@torch.library.custom_op("lockstep::causal_attention_backward", mutates_args=())
+def _causal_bwd_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    consecutive = q_pos[:, :1] + torch.arange(q_pos.shape[1], device=q_pos.device)
+    if not torch.equal(q_pos, consecutive):
+        raise ValueError("causal_attention (triton) backward needs consecutive query positions per sequence "
+                         "(q_pos[b] = q_pos[b, 0] + arange(Tq)), as in training")
+    queries, keys = _padded_layout(q, k, v, q_pos)
+    dq, dk, dv = _backward(grad, queries, keys, out, lse, scale)
+    return dq.view(q.shape), dk, dv
+
+
+@torch.library.custom_op("lockstep::varlen_attention", mutates_args=())
+def _varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    queries, keys = _varlen_layout(q, k, v, cu_seqlens)
+    return _forward(queries, keys, scale, decode=False)
+
+
+@torch.library.custom_op("lockstep::varlen_attention_backward", mutates_args=())
+def _varlen_bwd_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    queries, keys = _varlen_layout(q, k, v, cu_seqlens)
+    return _backward(grad, queries, keys, out, lse, scale)
+
+
+@torch.library.custom_op("lockstep::paged_attention", mutates_args=())
+def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+              seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int | None,
+              max_seq_len: int | None) -> torch.Tensor:
+    queries, keys = _paged_layout(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len,
+                                  max_seq_len)
+    return _forward(queries, keys, scale, decode=True)[0]
+
+
+@_causal_op.register_fake
+def _(q, k, v, q_pos, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@_varlen_op.register_fake
+def _(q, k, v, cu_seqlens, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@_causal_bwd_op.register_fake
+@_varlen_bwd_op.register_fake
+def _(grad, q, k, v, index, out, lse, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@_paged_op.register_fake
+def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, max_query_len, max_seq_len):
+    return torch.empty_like(q)
+
+
+def _register_autograd(op, backward_op: Callable) -> None:
+    """Autograd of an op (q, k, v, index, scale) -> (out, lse) through its backward op; lse is
+    internal (the entry points return out only), so its gradient is never used."""
+    def setup_context(ctx, inputs, output):
+        q, k, v, index, scale = inputs
+        ctx.save_for_backward(q, k, v, index, *output)
+        ctx.scale = scale
+
+    def backward(ctx, grad, _grad_lse):
+        q, k, v, index, out, lse = ctx.saved_tensors
+        dq, dk, dv = backward_op(grad, q, k, v, index, out, lse, ctx.scale)
+        return dq, dk, dv, None, None
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+_register_autograd(_causal_op, _causal_bwd_op)
+_register_autograd(_varlen_op, _varlen_bwd_op)
+
+
+# ---- entry points (called by lockstep.kernels.attention when the backend is triton) ---------------
+
+def _scale(scale: float | None, d: int) -> float:
+    return 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
+def causal_attention(q, k, v, q_pos, scale=None):
+    return _causal_op(q, k, v, q_pos, _scale(scale, q.shape[-1]))[0]
+
+
+def varlen_attention(q, k, v, cu_seqlens, scale=None):
+    return _varlen_op(q, k, v, cu_seqlens, _scale(scale, q.shape[-1]))[0]
+
+
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale=None, max_query_len=None,
+                    max_seq_len=None):
+    return _paged_op(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, _scale(scale, q.shape[-1]),
+                     max_query_len, max_seq_len)

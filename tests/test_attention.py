@@ -1,0 +1,385 @@
+"""Attention: one numerics for training (packed and padded), prefill, chunked prefill and decode,
+on contiguous and paged caches, in both backends.
+
+The central check feeds every token of a few sequences through simulated engines (random chunked
+prefill then decode, requests sitting out steps at random, the batch order shuffled every step,
+pages handed out in random order with page_size != KV_BLOCK) and requires each token's output to
+equal, bit for bit, its output in training. Accuracy and gradients are checked against float64.
+
+Backends: "torch" (reference), "triton" (the contract's block sizes) and "triton-small" (blocks
+of 16 and chunks of 32 keys, and small backward tiles, so that sequences of ~70 tokens cross many
+blocks, chunks and tiles). The Triton backend runs these tests on the GPU when there is one, else in
+Triton's interpreter (tests/conftest.py). The GPU tier repeats the central check in bf16 at Qwen3-8B
+head shapes and sequences of 1-3k tokens.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lockstep.kernels as K
+
+# Triton's interpreter turns loop bounds computed in a kernel into ints through a numpy call that
+# numpy deprecates; harmless, and not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+# Documented accuracy bounds (max abs error against float64, inputs ~ N(0, 1)): float32 sums in a
+# different order; bfloat16 also rounds P (and in the reference, the block products) to 8 bits.
+OUT_ATOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
+GRAD_ATOL = 1e-5  # float32 gradients
+# The Triton backend runs the CPU-tier tests on the GPU when there is one (the interpreter otherwise).
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _interpreter_bf16_dot(monkeypatch):
+    """Triton 3.6's interpreter multiplies bf16 tl.dot operands as their raw uint16 storage; give it
+    float32 copies (exact products, float32 sums: what the GPU's MMA computes). Test-only fix."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+def _use_triton(monkeypatch, small_blocks: bool):
+    pytest.importorskip("triton")
+    from lockstep.kernels._triton import attention as tri
+
+    if small_blocks:  # many blocks, chunks and tiles per sequence of ~70 tokens
+        monkeypatch.setattr(tri, "KV_BLOCK", 16)
+        monkeypatch.setattr(tri, "KV_CHUNK", 32)
+        # forward tiles keep their height: below 64 rows a GPU would switch MMA instruction
+        for name, sizes in [("bwd_dkdv", dict(BLOCK_Q=16, BLOCK_KV=16)), ("bwd_dq", dict(BLOCK_Q=32, BLOCK_KV=16))]:
+            monkeypatch.setitem(tri.TUNING, name, {**tri.TUNING[name], **sizes})
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _interpreter_bf16_dot(monkeypatch)
+    K.set_backend("triton")
+    return tri
+
+
+@pytest.fixture(params=["torch", "triton", "triton-small"])
+def device(request, monkeypatch):
+    """Selects a backend; yields the device its tests run on."""
+    if request.param == "torch":
+        yield "cpu"
+        return
+    _use_triton(monkeypatch, small_blocks=request.param == "triton-small")
+    yield TRITON_DEVICE
+    K.set_backend("torch")
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    tri = _use_triton(monkeypatch, small_blocks=True)
+    yield tri
+    K.set_backend("torch")
+
+
+# ---- data and float64 reference -------------------------------------------------------------------
+
+def _packed(lens, h, hkv, d, dtype=torch.float32, device="cpu"):
+    n = sum(lens)
+    q, k, v = (torch.randn(n, heads, d, device=device).to(dtype) for heads in (h, hkv, hkv))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return q, k, v, cu
+
+
+def _varlen_f64(q, k, v, cu):
+    """Dense float64 causal attention per sequence."""
+    outs = []
+    g = q.shape[1] // k.shape[1]
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        kk = k[a:b].double().repeat_interleave(g, 1)
+        vv = v[a:b].double().repeat_interleave(g, 1)
+        s = torch.einsum("qhd,khd->hqk", q[a:b].double(), kk) / math.sqrt(q.shape[-1])
+        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vv))
+    return torch.cat(outs)
+
+
+def _padded(x, cu, width):
+    """Packed [N, ...] -> [B, width, ...], zero after each sequence."""
+    out = x.new_zeros((len(cu) - 1, width, *x.shape[1:]))
+    for r, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        out[r, : b - a] = x[a:b]
+    return out
+
+
+def _unpadded(x, cu):
+    return torch.cat([x[r, : b - a] for r, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))])
+
+
+# ---- simulated engines ----------------------------------------------------------------------------
+
+def _schedule(lens, n_decode, max_chunk, gen):
+    """Engine steps, each a list of (request, new tokens) in batch order. Request r's first
+    lens[r] - n_decode[r] tokens arrive in chunks of random size (chunked prefill), the rest one per
+    step (decode); a request sits out a step at random and the batch order is shuffled every step."""
+    done, steps = [0] * len(lens), []
+    while any(d < n for d, n in zip(done, lens)):
+        batch = []
+        for r in torch.randperm(len(lens), generator=gen).tolist():
+            left = lens[r] - done[r]
+            if left == 0 or torch.rand((), generator=gen) < 0.25:
+                continue
+            prompt_left = left - n_decode[r]
+            new = int(torch.randint(1, min(prompt_left, max_chunk) + 1, (), generator=gen)) if prompt_left > 0 else 1
+            batch.append((r, new))
+            done[r] += new
+        if batch:
+            steps.append(batch)
+    return steps
+
+
+def _serve_paged(q, k, v, cu, steps, page_size, gen):
+    """Run the steps against a paged cache; return every token's output, packed like q."""
+    lens = (cu[1:] - cu[:-1]).tolist()
+    starts = cu[:-1].tolist()
+    pages_of = [-(-n // page_size) for n in lens]
+    n_pages = sum(pages_of) + 3
+    shape = (n_pages, k.shape[1], page_size, k.shape[2])
+    # never-written slots hold NaN: a kernel that lets them into a sum fails loudly
+    k_cache = torch.full(shape, float("nan"), dtype=k.dtype, device=k.device)
+    v_cache = torch.full(shape, float("nan"), dtype=v.dtype, device=v.device)
+    order = torch.randperm(n_pages, generator=gen).tolist()
+    table = torch.zeros((len(lens), max(pages_of) + 2), dtype=torch.int32, device=q.device)
+    for r, n in enumerate(pages_of):
+        table[r, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+    out, done = torch.full_like(q, float("nan")), [0] * len(lens)
+    for i, batch in enumerate(steps):
+        rows, qsl, seq_lens = [], [0], []
+        for r, new in batch:
+            pos = torch.arange(done[r], done[r] + new, device=q.device)
+            tok = starts[r] + pos
+            k_cache[table[r, pos // page_size].long(), :, pos % page_size] = k[tok]
+            v_cache[table[r, pos // page_size].long(), :, pos % page_size] = v[tok]
+            rows.append(tok)
+            qsl.append(qsl[-1] + new)
+            done[r] += new
+            seq_lens.append(done[r])
+        rows = torch.cat(rows)
+        block_table = table[[r for r, _ in batch]]
+        as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=q.device)
+        # every other step passes the maxima as a caller that knows them would (here over-estimated)
+        maxima = (max(new for _, new in batch), table.shape[1] * page_size) if i % 2 else (None, None)
+        out[rows] = K.paged_attention(q[rows], k_cache, v_cache, block_table, as_i32(seq_lens), as_i32(qsl), None,
+                                      *maxima)
+    return out
+
+
+def _serve_contiguous(q, k, v, cu, steps):
+    """Run the steps through causal_attention on a contiguous [R, S] cache (the native engine's
+    layout): each step's new tokens padded to the longest by repeating a request's last one."""
+    lens = (cu[1:] - cu[:-1]).tolist()
+    starts = cu[:-1].tolist()
+    width = max(lens) + 5
+    k_cache = k.new_zeros((len(lens), width, *k.shape[1:]))
+    v_cache = v.new_zeros((len(lens), width, *v.shape[1:]))
+    out, done = torch.full_like(q, float("nan")), [0] * len(lens)
+    for batch in steps:
+        tq = max(new for _, new in batch)
+        pos = torch.stack([torch.arange(done[r], done[r] + tq, device=q.device).clamp(max=done[r] + new - 1)
+                           for r, new in batch])
+        requests = [r for r, _ in batch]
+        for i, (r, new) in enumerate(batch):
+            k_cache[r, pos[i]], v_cache[r, pos[i]] = k[starts[r] + pos[i]], v[starts[r] + pos[i]]
+        step_q = torch.stack([q[starts[r] + pos[i]] for i, r in enumerate(requests)])
+        res = K.causal_attention(step_q, k_cache[requests], v_cache[requests], pos)
+        for i, (r, new) in enumerate(batch):
+            out[starts[r] + done[r]: starts[r] + done[r] + new] = res[i, :new]
+            done[r] += new
+    return out
+
+
+def _check_every_route(lens, h, hkv, d, dtype, n_decode, max_chunk, page_size, device="cpu"):
+    gen = torch.Generator().manual_seed(sum(lens))
+    q, k, v, cu = _packed(lens, h, hkv, d, dtype, device)
+    train = K.varlen_attention(q, k, v, cu)
+    width = max(lens) + 3
+    padded = K.causal_attention(_padded(q, cu, width), _padded(k, cu, width), _padded(v, cu, width),
+                                torch.arange(width, device=device).expand(len(lens), width))
+    assert torch.equal(_unpadded(padded, cu), train), "padded training differs from packed training"
+    one_prefill = [[(r, n) for r, n in enumerate(lens)]]
+    assert torch.equal(_serve_paged(q, k, v, cu, one_prefill, page_size, gen), train), "prefill differs"
+    steps = _schedule(lens, n_decode, max_chunk, gen)
+    assert torch.equal(_serve_paged(q, k, v, cu, steps, page_size, gen), train), \
+        "paged chunked prefill / decode differs from training"
+    assert torch.equal(_serve_contiguous(q, k, v, cu, steps), train), \
+        "contiguous chunked prefill / decode differs from training"
+
+
+# ---- CPU tier ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("h,hkv,d,dtype", [(2, 1, 16, torch.float32), (6, 2, 32, torch.bfloat16)])
+def test_every_route_gives_the_training_bits(device, h, hkv, d, dtype):
+    _check_every_route([70, 23, 41], h, hkv, d, dtype, n_decode=[6, 9, 4], max_chunk=24, page_size=32,
+                       device=device)
+
+
+def test_page_size_smaller_than_block(device):
+    _check_every_route([66, 1, 35], 4, 2, 16, torch.float32, n_decode=[3, 0, 5], max_chunk=40, page_size=16,
+                       device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accuracy_against_float64(device, dtype):
+    q, k, v, cu = _packed([70, 9, 33], 4, 2, 32, dtype, device)
+    err = (K.varlen_attention(q, k, v, cu).double() - _varlen_f64(q, k, v, cu)).abs().max().item()
+    assert err < OUT_ATOL[dtype], f"max abs error {err:.3g} against float64"
+
+
+@pytest.mark.parametrize("route", ["varlen", "padded"])
+def test_gradients_against_float64(device, route):
+    lens = [45, 12, 30]
+    q, k, v, cu = _packed(lens, 4, 2, 16, device=device)
+    grad = torch.randn_like(q)
+    if route == "varlen":
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = K.varlen_attention(*inputs, cu)
+        grads = torch.autograd.grad(out, inputs, grad)
+    else:
+        width = max(lens) + 4
+        inputs = [_padded(t, cu, width).requires_grad_() for t in (q, k, v)]
+        pos = torch.arange(width, device=device).expand(len(lens), width)
+        out = K.causal_attention(*inputs, pos)
+        padded_grads = torch.autograd.grad(out, inputs, _padded(grad, cu, width))
+        for g in padded_grads[1:]:  # keys past a sequence's end are seen by none of its tokens
+            assert all(g[r, n:].abs().max() == 0 for r, n in enumerate(lens))
+        grads = [_unpadded(g, cu) for g in padded_grads]
+    ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    refs = torch.autograd.grad(_varlen_f64(*ref_inputs, cu), ref_inputs, grad.double())
+    for name, a, r in zip("qkv", grads, refs):
+        err = (a.double() - r).abs().max().item()
+        assert err < GRAD_ATOL, f"d{name}: max abs error {err:.3g} against float64"
+
+
+def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
+    q, k, v, cu = _packed([70, 20], 4, 1, 16, device=TRITON_DEVICE)
+    last = torch.tensor([[69]], device=TRITON_DEVICE)
+    ref = K.varlen_attention(q, k, v, cu)
+    decode = K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last)
+    # other tile heights and warp counts that keep every forward tile on wgmma (>= 64 rows) on a GPU
+    for prefill, decode_tiles in [(dict(BLOCK_Q=64, num_warps=4), dict(MIN_ROWS=128, num_warps=8)),
+                                  (dict(BLOCK_Q=256, num_stages=2), dict(MIN_ROWS=64, num_stages=2))]:
+        monkeypatch.setitem(triton_backend.TUNING, "prefill", {**triton_backend.TUNING["prefill"], **prefill})
+        monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], **decode_tiles})
+        assert torch.equal(K.varlen_attention(q, k, v, cu), ref)
+        assert torch.equal(K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last), decode)
+
+
+_MMA_PROBE = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lockstep.kernels._triton import attention as A
+
+INTS = {"stride_table", "page_size", "stride_page", "stride_head", "stride_slot", "n_heads", "min_queries", "n_chunks"}
+POINTEE = {"lse": "fp32", "part_m": "fp32", "part_l": "fp32", "part_acc": "fp32", "q_begin": "i32", "q_count": "i32",
+           "q_pos": "i32", "page_table": "i32"}
+
+def mma_layouts(kernel, cfg, **constexprs):
+    names = [n for n in kernel.arg_names if n not in constexprs]
+    sig = {n: "fp32" if n == "qk_scale" else "i32" if n in INTS else "*" + POINTEE.get(n, "bf16") for n in names}
+    # what the launcher's specialisation tells the compiler: 16-byte aligned pointers and strides
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n.startswith("stride")}
+    compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    return sorted(set(re.findall(r"nvidia_mma<\{versionMajor = (\d).*?instrShape = (\[[\d, ]+\])",
+                                 compiled.asm["ttgir"])))
+
+common = dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK)
+prefill = mma_layouts(A._prefill_kernel, A.TUNING["prefill"], BLOCK_Q=A.TUNING["prefill"]["BLOCK_Q"], **common)
+decode = mma_layouts(A._decode_chunk_kernel, A.TUNING["decode"], ROWS=A.decode_rows(4), **common)
+print(json.dumps([prefill, decode]))
+"""
+
+
+def test_decode_and_prefill_multiply_with_the_same_mma_instructions():
+    """The GPU premise of the bitwise contract, checked without a GPU: compiled for sm_90 (bf16,
+    Qwen3-8B heads), the decode and prefill kernels use the same MMA instruction shapes (wgmma), so
+    a row's q.k, P@V and row-sum dots are the same instructions in both."""
+    pytest.importorskip("triton")
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton build has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter does not compile
+    res = subprocess.run([sys.executable, "-c", _MMA_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    prefill, decode = json.loads(res.stdout.splitlines()[-1])
+    assert prefill == decode, f"prefill MMAs {prefill} != decode MMAs {decode}"
+    assert {version for version, _ in prefill} == {"3"}, f"expected wgmma (MMA v3) only, got {prefill}"
+
+
+def test_custom_ops(triton_backend):
+    q, k, v, cu = _packed([19, 5], 4, 2, 16, device=TRITON_DEVICE)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.lockstep.varlen_attention, (q, k, v, cu, 0.25), test_utils=checks)
+    pos = torch.arange(19, device=TRITON_DEVICE).expand(2, 19)
+    padded = [_padded(t, cu, 19) for t in (q, k, v)]
+    torch.library.opcheck(torch.ops.lockstep.causal_attention, (*padded, pos, 0.25), test_utils=checks)
+    cache = k.new_zeros(4, 2, 16, 16)
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=TRITON_DEVICE)
+    torch.library.opcheck(torch.ops.lockstep.paged_attention,
+                          (q, cache, cache, as_i32([[0, 1], [2, 3]]), as_i32([19, 5]), cu, 0.25, 19, 19),
+                          test_utils=checks[::2])
+
+
+def test_shape_errors(device):
+    q, k, v, cu = _packed([8], 3, 2, 16, device=device)
+    with pytest.raises(ValueError, match="not a multiple of 2 kv heads"):
+        K.varlen_attention(q, k, v, cu)
+    with pytest.raises(ValueError, match="must hold the same tokens"):
+        K.varlen_attention(q[:, :2], k[:4], v[:4], cu)
+    with pytest.raises(ValueError, match="all of them in the sequences"):
+        K.varlen_attention(q[:, :2], k, v, torch.tensor([0, 5], dtype=torch.int32, device=device))
+
+
+def test_triton_backward_needs_consecutive_positions(triton_backend):
+    q, k, v = (torch.randn(1, 4, 2, 16, device=TRITON_DEVICE, requires_grad=True) for _ in range(3))
+    out = K.causal_attention(q, k, v, torch.tensor([[0, 2, 2, 3]], device=TRITON_DEVICE))
+    with pytest.raises(ValueError, match="consecutive query positions"):
+        out.sum().backward()
+
+
+# ---- GPU tier: Qwen3-8B heads, bfloat16, sequences of 1-3k tokens -------------------------------
+
+@pytest.fixture
+def gpu_triton():
+    K.set_backend("triton")
+    yield
+    K.set_backend("torch")
+
+
+@pytest.mark.gpu
+def test_gpu_every_route_gives_the_training_bits(gpu_triton):
+    torch.manual_seed(5)
+    _check_every_route([3001, 1024, 1777], 32, 8, 128, torch.bfloat16, n_decode=[70, 130, 3], max_chunk=700,
+                       page_size=16, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_accuracy_and_deterministic_backward(gpu_triton):
+    q, k, v, cu = _packed([2048, 1000, 77], 32, 8, 128, torch.bfloat16, "cuda")
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = K.varlen_attention(*inputs, cu)
+    assert (out.double() - _varlen_f64(q, k, v, cu)).abs().max().item() < OUT_ATOL[torch.bfloat16]
+    grad = torch.randn_like(out)
+    first = torch.autograd.grad(out, inputs, grad)
+    again = torch.autograd.grad(K.varlen_attention(*inputs, cu), inputs, grad)
+    assert all(torch.equal(a, b) for a, b in zip(first, again)), "backward is not deterministic"
+    ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    refs = torch.autograd.grad(_varlen_f64(*ref_inputs, cu), ref_inputs, grad.double())
+    for name, a, r in zip("qkv", first, refs):
+        rel = ((a.double() - r).norm() / r.norm()).item()
+        assert rel < 2e-2, f"d{name}: relative error {rel:.3g} against float64"
