@@ -21,9 +21,9 @@ rc=0
 for stage in "$@"; do
   echo "=== $stage ==="
   case $stage in
-    tests)   timeout 300 python3 -m pytest -q -m gpu -x tests/test_triton_kernels.py tests/test_triton_logp.py \
+    tests)   timeout 240 python3 -m pytest -q -m gpu -x tests/test_triton_kernels.py tests/test_triton_logp.py \
                tests/test_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-    kernels) timeout 420 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
+    kernels) timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
     e2e)     timeout 540 python3 benchmarks/e2e_1gpu.py /tmp/lockstep-e2e > "$OUT/e2e.log" 2>&1
              cp /tmp/lockstep-e2e/e2e_1gpu.md "$OUT/" 2>/dev/null; tail -30 "$OUT/e2e.log" ;;
     *)       echo "unknown stage $stage"; rc=2 ;;
