@@ -2,7 +2,8 @@
 # One call on a GPU host that has torch/triton but no network: make lockstep importable from the
 # carried wheels, then run the requested stages, logging under $OUT.
 #   bash benchmarks/gpu_session.sh tests kernels e2e
-# Stages: tests (pytest -m gpu on the kernel tests), kernels (benchmarks/kernels.py),
+# Stages: tests (pytest -m gpu on the kernel tests), kernels (benchmarks/kernels.py, all tables),
+#         sweep (GEMM tile configs), logp (the linear-logp table alone),
 #         e2e (benchmarks/e2e_1gpu.py: the 1-GPU recipe, strict and off).
 set -uo pipefail
 OUT=${OUT:-/tmp/lockstep-out}
@@ -21,9 +22,11 @@ rc=0
 for stage in "$@"; do
   echo "=== $stage ==="
   case $stage in
-    tests)   timeout 240 python3 -m pytest -q -m gpu -x tests/test_triton_kernels.py tests/test_triton_logp.py \
+    tests)   timeout 240 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_triton_logp.py \
                tests/test_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     kernels) timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
+    sweep)   timeout 300 python3 benchmarks/sweep_gemm.py > "$OUT/sweep.log" 2>&1; grep -E "BEST|failed" "$OUT/sweep.log" ;;
+    logp)    timeout 240 python3 -c "import bench_logp; l=[]; bench_logp.run(l); print(chr(10).join(l))" > "$OUT/logp.md" 2>&1; tail -40 "$OUT/logp.md" ;;
     e2e)     timeout 540 python3 benchmarks/e2e_1gpu.py /tmp/lockstep-e2e > "$OUT/e2e.log" 2>&1
              cp /tmp/lockstep-e2e/e2e_1gpu.md "$OUT/" 2>/dev/null; tail -30 "$OUT/e2e.log" ;;
     *)       echo "unknown stage $stage"; rc=2 ;;

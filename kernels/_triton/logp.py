@@ -163,7 +163,12 @@ def _row_inputs(temp_ptr, tgt_ptr, row_block, T, vocab_start, HAS_TEMP: tl.const
     columns (int32: a local column always fits, and the per-logit compare stays one instruction)."""
     rows = row_block * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
-    inv_temp = tl.math.div_rn(1.0, tl.load(temp_ptr + rows, mask=row_ok, other=1.0)) if HAS_TEMP else None
+    # compiled Triton cannot return None from a jit function: without a temperature the reciprocal
+    # is a (never used) 1.0, and HAS_TEMP keeps the multiply out of the kernel
+    if HAS_TEMP:
+        inv_temp = tl.math.div_rn(1.0, tl.load(temp_ptr + rows, mask=row_ok, other=1.0))
+    else:
+        inv_temp = tl.full((BLOCK_T,), 1.0, tl.float32)
     target = (tl.load(tgt_ptr + rows, mask=row_ok, other=-1) - vocab_start).to(tl.int32)
     return rows, row_ok, inv_temp, target
 

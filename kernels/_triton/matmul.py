@@ -112,7 +112,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None)
     c = aligned_empty(m, n, a.dtype, a.device)
     cfg = config_for(m, a.dtype)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    programs = min(tiles, resident_programs(a.device))
+    programs = min(tiles, resident_programs(a.device) * cfg.programs_per_sm)
     install_descriptor_allocator(a.device)
     _gemm_kernel[(programs,)](
         a_rows, b_rows, c, c if bias is None else bias, m, n, k,

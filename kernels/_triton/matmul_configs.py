@@ -27,6 +27,7 @@ class GemmConfig:
     group_m: int  # row tiles that sweep the N tiles together (L2 reuse of weight tiles)
     num_warps: int
     num_stages: int
+    programs_per_sm: int = 1  # persistent programs per SM (>1 overlaps one program's epilogue/loads with another's MMA)
 
 
 BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}

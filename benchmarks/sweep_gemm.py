@@ -1,0 +1,61 @@
+"""Tile-config sweep for the lockstep GEMM on the GPU at hand (bf16, Qwen3-8B projections).
+
+    python benchmarks/sweep_gemm.py
+
+For each M bucket of kernels/_triton/matmul_configs.py, every candidate is timed on the four
+projection shapes at the bucket's representative Ms, as a ratio to cuBLAS measured alongside;
+the best candidate per bucket is printed as a config-table line. Candidates differ only in what
+the table's rules allow (never BLOCK_K), so any of them keeps the bits; the GPU tests check it.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from bench_matmul import QWEN3_8B_PROJECTIONS, _ms_per_call
+from lockstep.kernels._triton import matmul_configs as mc
+import lockstep.kernels as K
+
+G = mc.GemmConfig
+BUCKETS = {  # bucket bound -> (Ms it is judged on, candidates)
+    64: ([1, 8, 64], [G(64, 32, 1, 4, 8), G(64, 32, 1, 4, 8, 2), G(64, 64, 1, 4, 6), G(64, 64, 1, 4, 6, 2),
+                      G(64, 128, 1, 4, 4), G(64, 128, 1, 4, 4, 2), G(64, 32, 1, 4, 12)]),
+    256: ([256], [G(64, 128, 8, 4, 5), G(64, 128, 8, 4, 5, 2), G(128, 128, 8, 8, 4), G(64, 256, 8, 4, 4),
+                  G(128, 64, 8, 4, 5), G(128, 256, 8, 8, 3)]),
+    1024: ([1024], [G(128, 128, 8, 8, 4), G(128, 256, 8, 8, 3), G(64, 256, 8, 4, 4), G(128, 128, 8, 8, 4, 2)]),
+}
+
+
+def ratio(cfg: mc.GemmConfig, ms: list[int]) -> float:
+    original = list(mc.CONFIGS_16BIT)
+    mc.CONFIGS_16BIT[:] = [(None, cfg)]
+    try:
+        ratios = []
+        for _, k, n in QWEN3_8B_PROJECTIONS:
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ratios.append(_ms_per_call(lambda: x @ w.t()) / _ms_per_call(lambda: K.linear(x, w)))
+        return statistics.geometric_mean(ratios)
+    finally:
+        mc.CONFIGS_16BIT[:] = original
+
+
+def main() -> None:
+    K.set_backend("triton")
+    for bound, (ms, candidates) in BUCKETS.items():
+        scored = []
+        for cfg in candidates:
+            try:
+                scored.append((ratio(cfg, ms), cfg))
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is just not a winner
+                print(f"  M<={bound} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
+        for r, cfg in sorted(scored, key=lambda t: -t[0]):
+            print(f"  M<={bound} ratio {r:.3f}  {cfg}")
+        best = max(scored, key=lambda t: t[0])
+        print(f"BEST M<={bound}: ({bound}, {best[1]!r}),  # geomean {best[0]:.3f}x cuBLAS on M={ms}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
