@@ -8,15 +8,16 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/lockstep-out}
 mkdir -p "$OUT"
-if [ ! -d .site/ray ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target .site .gpu-wheels/a/*.whl > "$OUT/install.log" 2>&1 \
-    || { tail -20 "$OUT/install.log"; exit 1; }
-fi
+# A fresh target every call: pip --target never replaces what an earlier call left half-installed.
+rm -rf .site
+python3 -m pip install -q --no-index --no-deps --no-compile --target .site .gpu-wheels/a/*.whl > "$OUT/install.log" 2>&1 \
+  || { tail -20 "$OUT/install.log"; exit 1; }
 # lockstep's folders are mapped into the lockstep.* namespace by setup.py; here, by links.
 mkdir -p .site/lockstep
 for root in framework kernels launch configs recipes; do ln -sfn "$PWD/$root" ".site/lockstep/$root"; done
 export PYTHONPATH=$PWD/.site:$PWD/benchmarks:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
+python3 -c "import hydra.core, omegaconf, ray, megatron.core, pytest" || { echo "carried wheels do not import"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 rc=0
 for stage in "$@"; do
