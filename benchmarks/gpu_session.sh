@@ -27,6 +27,7 @@ for stage in "$@"; do
                tests/test_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     kernels) timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
     sweep)   timeout 300 python3 benchmarks/sweep_gemm.py > "$OUT/sweep.log" 2>&1; grep -E "BEST|failed" "$OUT/sweep.log" ;;
+    sweep_logp) timeout 180 python3 benchmarks/sweep_logp.py 2>&1 | grep "BLOCK_T" ;;
     logp)    timeout 240 python3 -c "import bench_logp; l=[]; bench_logp.run(l); print(chr(10).join(l))" > "$OUT/logp.md" 2>&1; tail -40 "$OUT/logp.md" ;;
     e2e)     timeout 540 python3 benchmarks/e2e_1gpu.py /tmp/lockstep-e2e > "$OUT/e2e.log" 2>&1
              cp /tmp/lockstep-e2e/e2e_1gpu.md "$OUT/" 2>/dev/null; tail -30 "$OUT/e2e.log" ;;
