@@ -38,6 +38,25 @@ def measure(fn, warmup: int = 5, iters: int = 20) -> Measure:
     return Measure(sorted(times)[len(times) // 2], extra)
 
 
+def graph_ms_per_call(fn, calls: int = 10) -> float:
+    """Median milliseconds of one fn() call, replayed from a CUDA graph of `calls` back-to-back
+    calls: times the kernels rather than Python launch overhead (a decode-sized call takes a few
+    microseconds). Warm-up (compilation, library handles) runs off the capture stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ms = measure(graph.replay).ms / calls
+    del graph
+    return ms
+
+
 def markdown_table(title: str, columns: list[str], rows: list[list]) -> str:
     def fmt(v):
         return f"{v:.3g}" if isinstance(v, float) else str(v)

@@ -7,7 +7,7 @@ heads, 8 kv heads, head_dim 128), on one CUDA device.
   causal; target >= 0.8x.
 - decode: `paged_attention`, one new token per request against a 16-token-page cache (pages in
   random order) vs SDPA against a contiguous [B, 8, context, 128] cache, at batch {1, 16, 64, 256}
-  x context {1k, 4k, 16k, 32k}; target >= 0.7x. Both sides replay CUDA graphs of CALLS_PER_GRAPH
+  x context {1k, 4k, 16k, 32k}; target >= 0.7x. Both sides replay CUDA graphs of 10
   calls, so a decode step times the kernels, not Python; a cell whose two caches do not fit in
   free memory is skipped and says so.
 
@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if __package__:  # imported as benchmarks.bench_attention
-    from ._harness import markdown_table, measure
+    from ._harness import graph_ms_per_call, markdown_table, measure
 else:  # run as a script, or imported with benchmarks/ on sys.path
-    from _harness import markdown_table, measure
+    from _harness import graph_ms_per_call, markdown_table, measure
 
 import lockstep.kernels as K
 
@@ -39,7 +39,6 @@ PREFILL_TOKENS = [4096, 16384]
 DECODE_BATCH = [1, 16, 64, 256]
 DECODE_CONTEXT = [1024, 4096, 16384, 32768]
 PAGE = 16
-CALLS_PER_GRAPH = 10
 TARGETS = {"training": 0.75, "prefill": 0.8, "decode": 0.7}
 SCALE = 1.0 / math.sqrt(HEAD_DIM)
 
@@ -74,23 +73,6 @@ def _sdpa(gqa_native: bool):
 
 def _kv_for_sdpa(t: torch.Tensor, gqa_native: bool) -> torch.Tensor:
     return t if gqa_native else t.repeat_interleave(HEADS // KV_HEADS, dim=1)
-
-
-def _graph_ms(fn) -> float:
-    """Median milliseconds of one fn() call, replayed from a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream: compiles Triton kernels
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    ms = measure(graph.replay).ms / CALLS_PER_GRAPH
-    del graph
-    return ms
 
 
 def _row(label, sdpa_ms, ours_ms, kind):
@@ -167,11 +149,11 @@ def decode_table(sdpa, gqa_native) -> str:
             k_cache, v_cache, table = _paged_cache(batch, context)
             seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
             qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
-            ours_ms = _graph_ms(lambda: K.paged_attention(q, k_cache, v_cache, table, seq_lens, qsl, SCALE, 1, context))
+            ours_ms = graph_ms_per_call(lambda: K.paged_attention(q, k_cache, v_cache, table, seq_lens, qsl, SCALE, 1, context))
             del k_cache, v_cache
             qb = q.view(batch, HEADS, 1, HEAD_DIM)
             kb, vb = (_kv_for_sdpa(_randn(batch, KV_HEADS, context, HEAD_DIM), gqa_native) for _ in range(2))
-            rows.append(_row([batch, context], _graph_ms(lambda: sdpa(qb, kb, vb, False)), ours_ms, "decode"))
+            rows.append(_row([batch, context], graph_ms_per_call(lambda: sdpa(qb, kb, vb, False)), ours_ms, "decode"))
             del kb, vb
             torch.cuda.empty_cache()
     columns = ["batch", "context", "SDPA ms", "lockstep ms", "ratio", "target", "pass/miss"]

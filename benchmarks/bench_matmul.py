@@ -6,7 +6,7 @@
 - RMSNorm (H=4096) and SwiGLU (width 12288): achieved bandwidth against the roofline (the device's
   peak bandwidth, an argument) and against the torch composition the model runs without lockstep.
 
-Each measurement replays a CUDA graph of CALLS_PER_GRAPH back-to-back calls, so it times the
+Each measurement replays a CUDA graph of 10 back-to-back calls, so it times the
 kernels rather than Python launch overhead (a decode-sized GEMM takes a few microseconds); a
 kernel that cannot be captured fails here first. Both sides run in the same process on the same
 inputs; a weight that fits in L2 (o_proj: 32 MiB of H200's 50 MiB) stays cached across calls for
@@ -21,9 +21,9 @@ import argparse
 import torch
 
 if __package__:  # imported as benchmarks.bench_matmul
-    from ._harness import markdown_table, measure
+    from ._harness import graph_ms_per_call, markdown_table
 else:  # run as a script, or imported with benchmarks/ on sys.path
-    from _harness import markdown_table, measure
+    from _harness import graph_ms_per_call, markdown_table
 
 import lockstep.kernels as K
 from lockstep.framework.models.ops import torch_rms_norm, torch_silu_mul
@@ -34,25 +34,7 @@ NORM_M = [256, 4096, 16384]
 HIDDEN = 4096
 FFN_WIDTH = 12288
 H200_PEAK_BANDWIDTH = 4.8e12  # B/s
-CALLS_PER_GRAPH = 10
 DTYPE = torch.bfloat16
-
-
-def _ms_per_call(fn) -> float:
-    """Median milliseconds of one fn() call, replayed from a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream: compiles, cuBLAS handles
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    ms = measure(graph.replay).ms / CALLS_PER_GRAPH
-    del graph
-    return ms
 
 
 def _gemm_target(m: int) -> float:
@@ -67,8 +49,8 @@ def gemm_table() -> str:
         for m in GEMM_M:
             x = torch.randn(m, k, device="cuda", dtype=DTYPE)
             tflop = 2 * m * n * k / 1e12
-            cublas = tflop / (_ms_per_call(lambda: torch.matmul(x, w.t())) / 1e3)
-            ours = tflop / (_ms_per_call(lambda: K.linear(x, w)) / 1e3)
+            cublas = tflop / (graph_ms_per_call(lambda: torch.matmul(x, w.t())) / 1e3)
+            ours = tflop / (graph_ms_per_call(lambda: K.linear(x, w)) / 1e3)
             target = _gemm_target(m)
             rows.append([f"{name} K={k} N={n}", m, cublas, ours, ours / cublas, f">={target:.2f}",
                          "pass" if ours / cublas >= target else "miss"])
@@ -82,8 +64,8 @@ def _bandwidth_rows(label, make_inputs, ours, baseline, bytes_moved, peak_bandwi
     for m in NORM_M:
         inputs = make_inputs(m)
         moved = bytes_moved(m)
-        ours_bw = moved / (_ms_per_call(lambda: ours(*inputs)) / 1e3)
-        torch_bw = moved / (_ms_per_call(lambda: baseline(*inputs)) / 1e3)
+        ours_bw = moved / (graph_ms_per_call(lambda: ours(*inputs)) / 1e3)
+        torch_bw = moved / (graph_ms_per_call(lambda: baseline(*inputs)) / 1e3)
         rows.append([label, m, ours_bw / 1e9, ours_bw / peak_bandwidth, torch_bw / 1e9, ours_bw / torch_bw])
     return rows
 

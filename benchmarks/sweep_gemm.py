@@ -13,7 +13,8 @@ import statistics
 
 import torch
 
-from bench_matmul import QWEN3_8B_PROJECTIONS, _ms_per_call
+from _harness import graph_ms_per_call
+from bench_matmul import QWEN3_8B_PROJECTIONS
 from lockstep.kernels._triton import matmul_configs as mc
 import lockstep.kernels as K
 
@@ -36,7 +37,7 @@ def ratio(cfg: mc.GemmConfig, ms: list[int]) -> float:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                ratios.append(_ms_per_call(lambda: x @ w.t()) / _ms_per_call(lambda: K.linear(x, w)))
+                ratios.append(graph_ms_per_call(lambda: x @ w.t()) / graph_ms_per_call(lambda: K.linear(x, w)))
         return statistics.geometric_mean(ratios)
     finally:
         mc.CONFIGS_16BIT[:] = original

@@ -15,4 +15,4 @@ def test_ci_runs_the_readme_test_command():
 
 def test_shipped_synthetic_tasks_match_their_generator():
     for name in TASKS:
-        assert task_path(name).read_text() == render(name), f"regenerate with python -m lockstep.framework.data.synthetic"
+        assert task_path(name).read_text() == render(name), "regenerate with python -m lockstep.framework.data.synthetic"

@@ -58,7 +58,7 @@ def test_ablation_tiny_report_and_seal(ray_session, tmp_path, capsys):
     r_r = next(a for a in arms if "attention=1,determinism.ffn=1,determinism.logp=1" in a.name)
     assert (r_r / SEAL_FILE).exists()
     for side in ("trainer", "rollout"):  # readbacks prove the lockstep route ran on both sides
-        rb = json.loads((r_r / "readbacks" / f"{side}-rank0.json").read_text())
+        rb = json.loads((r_r / "readbacks" / f"{side}-0-rank0.json").read_text())
         assert all(v["impl"] != "torch" for v in rb["ops"].values())
         for module, ops in MODULE_OPS.items():  # the trainer never samples, so logp.linear is not here
             assert all(rb["ops"][f"{module}.{op}"]["calls"] > 0 for op in ops), (side, module)
