@@ -72,7 +72,7 @@ def test_injected_fallback_is_refused(ray_session, tmp_path, capsys):
     assert rc == 0  # auto falls back on an import failure and keeps running ...
     rc, out = _validate(tmp_path, capsys)
     assert rc == 1 and "REFUSED" in out  # ... but the run cannot be sealed
-    assert "[FAIL] no_fallback:" in out and "trainer: import failed: ModuleNotFoundError" in out
+    assert "[FAIL] no_fallback:" in out and "trainer[0.0]: import failed: ModuleNotFoundError" in out
     assert "[FAIL] r_ops_called" in out and not (tmp_path / SEAL_FILE).exists()
 
 
