@@ -78,6 +78,8 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
                 seeds = [[sample_seed(cfg.seed, step, r.index, j) for j in range(cfg.rollout.n_samples)] for r in batch]
                 with timer("rollout"):
                     rollout = engines.generate([tokenizer.encode(r.prompt) for r in batch], sampling, seeds)
+                    if cfg.parallel.colocate:  # the GPU goes to the actor until the next weight sync
+                        engines.sleep()
                 with timer("reward"):
                     group = torch.arange(len(batch)).repeat_interleave(cfg.rollout.n_samples)
                     texts = [tokenizer.decode(rollout.tokens[b, rollout.prompt_lens[b]:].tolist()) for b in range(rollout.batch_size)]
@@ -94,6 +96,8 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
                 with timer("train"):
                     train_metrics = actor.train(rollout, rewards, group, recomputed.logp)
                 with timer("weight_sync"):
+                    if cfg.parallel.colocate:
+                        engines.wake()
                     sync_timings = engines.update_weights(actor.weights_for_sync())
                     actor.wait_sync()
                 timer["perf/step_s"] = time.perf_counter() - t_step

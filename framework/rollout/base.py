@@ -75,6 +75,7 @@ class RolloutEngine(abc.ABC):
         """Load a versioned payload (refusing stale versions and bad checksums); returns timings."""
 
     def sleep(self) -> str:
+        """Colocated mode, between rollout and weight sync: release device memory if the engine can."""
         return "sleep skipped: this engine keeps no device memory to release"
 
     def wake(self) -> str:

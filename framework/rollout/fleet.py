@@ -52,5 +52,12 @@ class RolloutFleet:
         timings = ray.get([e.update_weights.remote(payload_ref) for e in self.engines])
         return {k: max(t[k] for t in timings) for k in timings[0]}  # the slowest engine bounds the step
 
+    def sleep(self) -> list[str]:
+        """Colocated mode: release the engines' device memory (KV cache, weights) for training."""
+        return ray.get([e.sleep.remote() for e in self.engines])
+
+    def wake(self) -> list[str]:
+        return ray.get([e.wake.remote() for e in self.engines])
+
     def write_readbacks(self, run_dir: str) -> None:
         ray.get([e.write_readback.remote(run_dir) for e in self.engines])
