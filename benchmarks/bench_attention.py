@@ -165,17 +165,13 @@ def run(out_md_lines: list[str]) -> None:
     """Append the training, prefill and decode tables (markdown) to out_md_lines. CUDA only."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench_attention needs a CUDA device")
-    before = K.get_backend()
-    K.set_backend("triton")
-    try:
+    with K.using_backend("triton"):
         gqa_native = _sdpa_gqa_native()
         sdpa = _sdpa(gqa_native)
         out_md_lines.append(f"SDPA GQA: {'enable_gqa=True' if gqa_native else 'K/V expanded to 32 heads'}\n")
         out_md_lines.append(training_table(sdpa, gqa_native))
         out_md_lines.append(prefill_table(sdpa, gqa_native))
         out_md_lines.append(decode_table(sdpa, gqa_native))
-    finally:
-        K.set_backend(before)
 
 
 if __name__ == "__main__":

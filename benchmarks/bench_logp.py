@@ -106,13 +106,9 @@ def run(out_md_lines: list[str]) -> None:
     """Append the linear_logp tables (markdown) to out_md_lines. CUDA only."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench_logp needs a CUDA device")
-    before = K.get_backend()
-    K.set_backend("triton")
-    try:
+    with K.using_backend("triton"):
         out_md_lines.append(logp_table())
         out_md_lines.append(shard_table())
-    finally:
-        K.set_backend(before)
 
 
 if __name__ == "__main__":

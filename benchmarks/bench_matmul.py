@@ -91,13 +91,9 @@ def run(out_md_lines: list[str], peak_bandwidth: float = H200_PEAK_BANDWIDTH) ->
     """Append the GEMM and the memory-bound tables (markdown) to out_md_lines. CUDA only."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench_matmul needs a CUDA device")
-    before = K.get_backend()
-    K.set_backend("triton")
-    try:
+    with K.using_backend("triton"):
         out_md_lines.append(gemm_table())
         out_md_lines.append(bandwidth_table(peak_bandwidth))
-    finally:
-        K.set_backend(before)
 
 
 if __name__ == "__main__":

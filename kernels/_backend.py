@@ -8,6 +8,7 @@ backend runs only under Triton's interpreter (TRITON_INTERPRET=1), which is how 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 BACKENDS = ("torch", "triton")
 _ENV = "LOCKSTEP_KERNEL_BACKEND"
@@ -60,3 +61,14 @@ def get_backend() -> str:
 def set_backend(name: str) -> None:
     global _backend
     _backend = _check(name.strip().lower())
+
+
+@contextmanager
+def using_backend(name: str):
+    """Run a block with `name` as the backend, restoring the previous one afterwards."""
+    before = get_backend()
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(before)
