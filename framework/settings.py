@@ -25,7 +25,7 @@ def _choice(value, valid, key: str):
 def validate(cfg: DictConfig) -> None:
     from lockstep.framework.models.ops import CASES
     from lockstep.framework.provider.route import MODES
-    from lockstep.framework.rollout.native import FAULTS
+    from lockstep.framework.rollout.faults import FAULTS
 
     det = cfg.determinism
     _choice(det.mode, MODES, "determinism.mode")
@@ -46,8 +46,8 @@ def validate(cfg: DictConfig) -> None:
                               f"(parallel.{key}=1)")
     if cfg.rollout.num_engines < 1:
         raise ConfigError(f"rollout.num_engines must be >= 1, got {cfg.rollout.num_engines}")
-    if cfg.rollout.backend != "native" and det.inject_fault != "none":
-        raise ConfigError("determinism.inject_fault is implemented by the native rollout engine only")
+    if cfg.rollout.backend == "vllm":
+        _choice(cfg.rollout.enforce_eager, ("auto", True, False), "rollout.enforce_eager")
     if cfg.trainer.steps < 1:
         raise ConfigError(f"trainer.steps must be >= 1, got {cfg.trainer.steps}")
     if cfg.rollout.prompts_per_step < 1:

@@ -53,7 +53,8 @@ def _engine_kwargs(cfg: DictConfig, index: int) -> dict:
     per_engine = -(-r.prompts_per_step // r.num_engines) * r.n_samples
     return {"engine_index": index, "tensor_parallel_size": r.tensor_parallel_size, "max_support": r.max_support,
             "max_batch": per_engine, "gpu_memory_utilization": r.gpu_memory_utilization,
-            "kv_cache_gib": r.kv_cache_gib, "seed": cfg.seed}
+            "kv_cache_gib": r.kv_cache_gib, "seed": cfg.seed, "dtype": cfg.model.dtype,
+            "enforce_eager": r.enforce_eager}
 
 
 def spawn_rollouts(cfg: DictConfig, placement: Placement, model_config: dict, tokenizer) -> RolloutFleet:

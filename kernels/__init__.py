@@ -4,16 +4,16 @@ Every op's result for one row (token) is bitwise independent of the rows around 
 reference backend builds each op from fixed-shape GEMM tiles and fixed reduction trees
 (see _invariant.py); `set_backend` / LOCKSTEP_KERNEL_BACKEND picks the implementation.
 """
-from lockstep.kernels._backend import BACKENDS, get_backend, set_backend, using_backend
+from lockstep.kernels._backend import BACKENDS, get_backend, kernel_calls, set_backend, using_backend
 from lockstep.kernels.activation import silu_mul
 from lockstep.kernels.attention import KV_BLOCK, causal_attention, paged_attention, varlen_attention
 from lockstep.kernels.logp import NUM_VOCAB_CHUNKS, LinearLogpOutput, chunk_width, linear_logp
 from lockstep.kernels.matmul import linear, matmul
-from lockstep.kernels.norm import add_rms_norm, rms_norm
+from lockstep.kernels.norm import rms_norm
 from lockstep.kernels.rope import apply_rope, rope_cos_sin
 
 __all__ = [
-    "BACKENDS", "get_backend", "set_backend", "using_backend", "matmul", "linear", "rms_norm", "add_rms_norm",
+    "BACKENDS", "get_backend", "set_backend", "using_backend", "kernel_calls", "matmul", "linear", "rms_norm",
     "silu_mul", "rope_cos_sin", "apply_rope", "causal_attention", "varlen_attention", "paged_attention",
     "KV_BLOCK", "linear_logp",
     "LinearLogpOutput", "NUM_VOCAB_CHUNKS", "chunk_width",

@@ -54,13 +54,20 @@ def default_backend() -> str:
 def get_backend() -> str:
     global _backend
     if _backend is None:
-        _backend = default_backend()
+        _select(default_backend())
     return _backend
 
 
 def set_backend(name: str) -> None:
+    _select(_check(name.strip().lower()))
+
+
+def _select(name: str) -> None:
     global _backend
-    _backend = _check(name.strip().lower())
+    _backend = name
+    if name == "triton":  # resolved now, never inside a torch.compile trace (imports do not trace)
+        for op in KernelOp.registry.values():
+            op.resolve_triton()
 
 
 @contextmanager
@@ -72,3 +79,75 @@ def using_backend(name: str):
         yield
     finally:
         set_backend(before)
+
+
+class KernelOp:
+    """One lockstep op, the one place where a backend is picked for it.
+
+    - `reference`: the torch implementation (any device; what `torch` runs);
+    - `triton`: "module:function" under lockstep.kernels._triton, imported on first use (None: the
+      reference serves both backends);
+    - `fake`: the output's shape for symbolic tracing. With one, the reference is also registered as
+      the custom op `lockstep::ref_<name>` (forward only), which is what a torch.compile trace records
+      in its place: Dynamo/Inductor keep the op opaque, so a compiled graph (vLLM's) runs the same
+      arithmetic as eager code instead of a re-generated fusion of it. Eager calls go straight to the
+      reference (so autograd works through it). The Triton functions are custom ops already.
+    `calls` counts the calls per process (a torch.compile trace counts once, when it is traced: a
+    compiled graph replays without Python): the readbacks report it as the evidence of which
+    lockstep kernels ran.
+    """
+
+    registry: dict[str, "KernelOp"] = {}
+
+    def __init__(self, name: str, reference, triton: str | None = None, fake=None):
+        if name in KernelOp.registry:
+            raise ValueError(f"lockstep kernel op {name!r} is defined twice")
+        self.name, self.reference, self.triton = name, reference, triton
+        self.calls = 0
+        self._triton_fn = None
+        self._opaque = None
+        if _backend == "triton":
+            self.resolve_triton()
+        if fake is not None:
+            import torch
+
+            self._opaque = torch.library.custom_op(f"lockstep::ref_{name}", reference, mutates_args=())
+            self._opaque.register_fake(fake)
+        KernelOp.registry[name] = self
+
+    def resolve_triton(self) -> None:
+        if self.triton is not None and self._triton_fn is None:
+            import importlib
+
+            module, fn = self.triton.split(":")
+            self._triton_fn = getattr(importlib.import_module(f"lockstep.kernels._triton.{module}"), fn)
+
+    def implementation(self):
+        """The function this op calls now (for the current backend and trace state)."""
+        import torch
+
+        if self.triton is not None and get_backend() == "triton":
+            return self._triton_fn
+        if self._opaque is not None and torch.compiler.is_compiling():
+            return self._opaque
+        return self.reference
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1  # inside a trace: counted once, when traced (a compiled graph runs no Python)
+        return self.implementation()(*args, **kwargs)
+
+
+def value_checks_enabled() -> bool:
+    """Whether an op may check values that live on the device (a host sync): never inside a
+    torch.compile trace or a CUDA-graph capture, where a sync is an error or breaks the graph.
+    Shape checks always run; LOCKSTEP_VALUE_CHECKS=0 turns the value checks off everywhere."""
+    import torch
+
+    if os.environ.get("LOCKSTEP_VALUE_CHECKS", "1") == "0" or torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def kernel_calls() -> dict[str, int]:
+    """Calls of every lockstep kernel op in this process so far (a compiled graph's: once, at its trace)."""
+    return {name: op.calls for name, op in sorted(KernelOp.registry.items())}

@@ -20,12 +20,18 @@ ROW_TILE = 16  # rows per GEMM call: fixed, so the GEMM library sees one shape w
 
 def tiled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] @ b [K, N] computed as one GEMM call per fixed [ROW_TILE, K] tile (zero-padded rows),
-    so the GEMM library sees the same problem whatever M is."""
+    so the GEMM library sees the same problem whatever M is.
+
+    The operand layouts are canonical too (a row-major, b column-major, i.e. b^T row-major), since
+    the library picks its kernel by layout as well: with MKL's AVX2 kernels a strided `a` or a
+    row-major `b` with 5..11 columns rounds odd rows of a tile differently from even ones."""
+    a = a.contiguous()
+    bt = b.t().contiguous()  # a no-op for a transposed nn.Linear weight
     m = a.shape[0]
     pad = (-m) % ROW_TILE
     if pad:
         a = F.pad(a, (0, 0, 0, pad))
-    return torch.cat([a[i:i + ROW_TILE] @ b for i in range(0, a.shape[0], ROW_TILE)])[:m]
+    return torch.cat([a[i:i + ROW_TILE] @ bt.t() for i in range(0, a.shape[0], ROW_TILE)])[:m]
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

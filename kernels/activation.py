@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.kernels._backend import get_backend
+from lockstep.kernels._backend import KernelOp
 
 
 def _sigmoid(g: torch.Tensor) -> torch.Tensor:
@@ -30,11 +30,14 @@ class _SiluMul(torch.autograd.Function):
         return grad * up * dsilu, grad * silu
 
 
+def _reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _SiluMul.apply(gate, up)
+
+
+_silu_mul = KernelOp("silu_mul", _reference, "activation:silu_mul", fake=lambda gate, up: torch.empty_like(gate))
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
-    if get_backend() == "triton":
-        from lockstep.kernels._triton.activation import silu_mul as triton_silu_mul
-
-        return triton_silu_mul(gate, up)
-    return _SiluMul.apply(gate, up)
+    return _silu_mul(gate, up)

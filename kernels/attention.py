@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from lockstep.kernels._backend import get_backend
+from lockstep.kernels._backend import KernelOp, value_checks_enabled
 from lockstep.kernels._invariant import ROW_TILE, tree_sum
 
 KV_BLOCK = 16  # the reference's block; the Triton backend's is kernels/_triton/attention.py:KV_BLOCK
@@ -45,13 +45,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     _check_heads("attention", q, k, v, k.shape[-2])
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"attention: shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
-    if int(q_pos.max()) >= k.shape[1]:
+    if value_checks_enabled() and int(q_pos.max()) >= k.shape[1]:
         raise ValueError(f"attention: query position {int(q_pos.max())} has no key (cache holds {k.shape[1]})")
-    if get_backend() == "triton":
-        from lockstep.kernels._triton.attention import causal_attention as triton_causal_attention
-
-        return triton_causal_attention(q, k, v, q_pos, scale)
-    return _reference(q, k, v, q_pos, scale)
+    return _causal(q, k, v, q_pos, scale)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -62,10 +58,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if k.shape[0] != q.shape[0] or cu_seqlens.dim() != 1 or int(cu_seqlens[-1]) != q.shape[0]:
         raise ValueError(f"varlen_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must hold the same "
                          f"tokens, all of them in the sequences of cu_seqlens {cu_seqlens.tolist()}")
-    if get_backend() == "triton":
-        from lockstep.kernels._triton.attention import varlen_attention as triton_varlen_attention
+    return _varlen(q, k, v, cu_seqlens, scale)
 
-        return triton_varlen_attention(q, k, v, cu_seqlens, scale)
+
+def _reference_varlen(q, k, v, cu_seqlens, scale):
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     idx, valid = _ragged_index(cu_seqlens[:-1], lens)
     pos = torch.arange(idx.shape[1], device=q.device).expand_as(idx)
@@ -90,11 +86,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"paged_attention: q {tuple(q.shape)} k_cache {tuple(k_cache.shape)} "
                          f"block_table {tuple(block_table.shape)} seq_lens {tuple(seq_lens.shape)}")
     _check_heads("paged_attention", q, k_cache, v_cache, k_cache.shape[1])
-    if get_backend() == "triton":
-        from lockstep.kernels._triton.attention import paged_attention as triton_paged_attention
+    return _paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, max_query_len, max_seq_len)
 
-        return triton_paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
-                                      max_query_len, max_seq_len)
+
+def _reference_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, max_query_len, max_seq_len):
     n_queries = query_start_loc[1:] - query_start_loc[:-1]
     if q.shape[0] == 0:
         return torch.empty_like(q)
@@ -170,3 +165,8 @@ def _reference(q, k, v, q_pos, scale):
     out = (acc / l.unsqueeze(-1)).to(q.dtype)
     out = out.reshape(b, hkv, n_tiles * ROW_TILE, d)[:, :, : tq * group]
     return out.reshape(b, hkv, tq, group, d).permute(0, 2, 1, 3, 4).reshape(b, tq, h, d)
+
+
+_causal = KernelOp("causal_attention", _reference, "attention:causal_attention")
+_varlen = KernelOp("varlen_attention", _reference_varlen, "attention:varlen_attention")
+_paged = KernelOp("paged_attention", _reference_paged, "attention:paged_attention")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lockstep.kernels._backend import KernelOp
+
 
 def tree_sum_ranks(parts: list[torch.Tensor]) -> torch.Tensor:
     while len(parts) > 1:
@@ -30,8 +32,15 @@ class _TreeAllReduce(torch.autograd.Function):
         return grad, None  # the sum's gradient reaches every rank's partial unchanged
 
 
-def tree_all_reduce(t: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum of `t` over the ranks of `group`, in a fixed balanced tree (differentiable)."""
+def _tree_all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return t
     return _TreeAllReduce.apply(t, group)
+
+
+_op = KernelOp("tree_all_reduce", _tree_all_reduce)
+
+
+def tree_all_reduce(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum of `t` over the ranks of `group`, in a fixed balanced tree (differentiable)."""
+    return _op(t, group)

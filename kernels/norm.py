@@ -3,22 +3,20 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.kernels._backend import get_backend
+from lockstep.kernels._backend import KernelOp
 from lockstep.kernels._invariant import tree_sum
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if get_backend() == "triton":
-        from lockstep.kernels._triton.norm import rms_norm as triton_rms_norm
-
-        return triton_rms_norm(x, weight, eps)
+def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     variance = tree_sum(xf * xf) / xf.shape[-1]
     y = xf * torch.rsqrt(variance + eps).unsqueeze(-1)
     return weight * y.to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """Fused residual add + RMSNorm: returns (rms_norm(x + residual), x + residual)."""
-    summed = x + residual
-    return rms_norm(summed, weight, eps), summed
+_rms_norm = KernelOp("rms_norm", _reference, "norm:rms_norm",
+                     fake=lambda x, weight, eps: torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype)))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm(x, weight, float(eps))

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.kernels._backend import get_backend
+from lockstep.kernels._backend import KernelOp
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
-    """positions [...] (int) -> cos, sin [..., head_dim] in fp32."""
+def _reference_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
     inv_freq = 1.0 / (theta ** exponent)
     freqs = positions.float().unsqueeze(-1) * inv_freq
@@ -19,14 +18,29 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, H, D]; cos/sin [..., T, D] (broadcast over heads)."""
-    if get_backend() == "triton":
-        from lockstep.kernels._triton.rope import apply_rope as triton_apply_rope
+def _fake_cos_sin(positions, head_dim, theta):
+    out = positions.new_empty(*positions.shape, head_dim, dtype=torch.float32)
+    return out, torch.empty_like(out)
 
-        return triton_apply_rope(x, cos, sin)
+
+def _reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     cos = cos.unsqueeze(-2).to(x.dtype)
     sin = sin.unsqueeze(-2).to(x.dtype)
     return x * cos + rotated * sin
+
+
+# cos/sin are one implementation for both backends (elementwise fp32).
+_rope_cos_sin = KernelOp("rope_cos_sin", _reference_cos_sin, fake=_fake_cos_sin)
+_apply_rope = KernelOp("apply_rope", _reference_rope, "rope:apply_rope", fake=lambda x, cos, sin: torch.empty_like(x))
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
+    """positions [...] (int) -> cos, sin [..., head_dim] in fp32."""
+    return _rope_cos_sin(positions, int(head_dim), float(theta))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, H, D]; cos/sin [..., T, D] (broadcast over heads)."""
+    return _apply_rope(x, cos, sin)

@@ -8,6 +8,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from helpers import fixed_order_interpreter_dot  # noqa: E402
+
+fixed_order_interpreter_dot()
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

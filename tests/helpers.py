@@ -1,4 +1,6 @@
 """Small builders shared by tests (real classes, tiny shapes)."""
+import os
+
 from lockstep.framework.actor.native import NativeActor
 from lockstep.framework.rollout.native import NativeRolloutEngine
 
@@ -20,3 +22,31 @@ def make_actor(mode="strict", seed=0, **algo):
 def make_engine(mode="strict", fault="none"):
     return NativeRolloutEngine(TINY, determinism=determinism(mode, fault=fault), real_vocab_size=REAL_VOCAB,
                                eos_id=2, pad_id=0)
+
+
+def fixed_order_interpreter_dot() -> None:
+    """Triton's interpreter computes `tl.dot` with numpy's BLAS, whose K-summation order depends on
+    the matrix shape on some CPUs (seen with OpenBLAS 0.3.30's Haswell kernels on an AMD EPYC):
+    a tile of 16 rows and one of 64 then round the same row differently, which is a property of
+    that BLAS, not of the kernel under test (a GPU's MMA fixes the order per element). Here every
+    float dot accumulates its K products in ascending k, as the hardware does, on every CPU."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    # (processes spawned by a test call this too: they do not run conftest.py)
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.dtype not in (np.float32, np.float64) or b.data.dtype != a.data.dtype:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc_dtype = d.data.dtype
+        x, y = a.data.astype(acc_dtype), b.data.astype(acc_dtype)
+        out = np.zeros(x.shape[:-1] + y.shape[-1:], dtype=acc_dtype)
+        for k in range(x.shape[-1]):
+            out += x[..., :, k:k + 1] * y[..., k:k + 1, :]
+        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot

@@ -38,8 +38,10 @@ def test_tiny_cpu_strict_short_run(ray_session, tmp_path):
     assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline W&B run written"
 
 
-def test_injected_fault_stops_strict_with_a_clear_error(ray_session, tmp_path, capsys):
-    rc = _run(tmp_path, "trainer.steps=3", "determinism.inject_fault=rollout_logp_reversed_vocab", *QUIET)
+@pytest.mark.parametrize("route", [[], ["rollout.top_p=0.9"], ["rollout.top_k=20"], ["rollout.top_k=4", "rollout.top_p=0.8"]],
+                         ids=["full-vocab", "top-p", "top-k", "top-k+top-p"])
+def test_injected_fault_stops_strict_with_a_clear_error(ray_session, tmp_path, capsys, route):
+    rc = _run(tmp_path, "trainer.steps=3", "determinism.inject_fault=rollout_logp_reversed_vocab", *route, *QUIET)
     assert rc == 1
     err = capsys.readouterr().err
     assert "LockstepMismatchError: step 1:" in err
@@ -58,6 +60,22 @@ def test_off_mode_only_reports(ray_session, tmp_path):
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert len(rows) == 3 and all(r["consistency/mismatch_count"] > 0 for r in rows)
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+
+
+def test_off_mode_runs_no_lockstep_op_on_either_side(ray_session, tmp_path):
+    from lockstep.framework.consistency.readback import load_readbacks
+
+    assert _run(tmp_path, "trainer.steps=2", "determinism=off", "rollout.top_p=0.9", *QUIET) == 0
+    readbacks = load_readbacks(tmp_path)
+    assert sorted(rb["side"] for rb in readbacks) == ["rollout", "trainer"]
+    for rb in readbacks:
+        assert rb["selection"] == {"attention": "P", "ffn": "P", "logp": "P"}
+        slots = rb["ops"]
+        assert {"attention.rope_cos_sin", "attention.apply_rope", "attention.attention", "ffn.silu_mul"} <= slots.keys()
+        assert all(v["impl"] == "torch" for v in slots.values()), slots
+        assert slots["attention.apply_rope"]["calls"] > 0  # the stock ops did run
+        # the kernels count their own calls: nothing reached lockstep.kernels, RoPE included
+        assert not any(rb["kernel_calls"].values()), rb["kernel_calls"]
 
 
 def test_multirun_sweep(ray_session, tmp_path):

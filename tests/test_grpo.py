@@ -36,7 +36,7 @@ def test_clipped_loss_by_hand():
     # s0t1: r=0.5, A=1 -> min(0.5, 0.8) = 0.5 -> -0.5
     # s1t0: r=0.7, A=-2 -> min(-1.4, -1.6) = -1.6 -> 1.6 (clipped)
     assert loss.item() == pytest.approx((-1.3 - 0.5 + 1.6) / 3, abs=1e-6)
-    assert m["clipfrac"] == pytest.approx(2 / 3)
+    assert float(m["clipfrac"]) == pytest.approx(2 / 3)
     seq = grpo_loss(logp, old, adv, mask, GRPOConfig(clip_low=0.2, clip_high=0.3, loss_agg="seq_mean_token_mean"))[0]
     assert seq.item() == pytest.approx(((-1.3 - 0.5) / 2 + 1.6) / 2, abs=1e-6)
 
@@ -50,7 +50,7 @@ def test_kl_term_by_hand():
     cfg = GRPOConfig(kl_coef=0.1)
     loss, m = grpo_loss(logp, logp.detach(), torch.tensor([0.0]), torch.tensor([[True]]), cfg, ref)
     assert loss.item() == pytest.approx(0.1 * k3, abs=1e-6)
-    assert m["kl_loss"] == pytest.approx(k3, abs=1e-6)
+    assert float(m["kl_loss"]) == pytest.approx(k3, abs=1e-6)
 
 
 def test_loss_gradient_direction():

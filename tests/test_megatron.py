@@ -35,11 +35,12 @@ def test_conversion_round_trip_is_exact(tied, tp):
     hf = _hf(tied)
     lay = Qwen3Layout.from_config(Qwen3Config(**SHAPE, tie_word_embeddings=tied))
     shards = [hf_to_megatron(hf, lay, tp, r) for r in range(tp)]
-    if tp == 2:  # the layouts megatron expects per rank
+    if tp == 2:  # the layouts lockstep's megatron layer expects per rank
         qkv = shards[1]["decoder.layers.0.self_attention.linear_qkv.weight"]
-        per_group = (4 // 2 + 2) * 32
-        assert qkv.shape == (per_group, 64)  # one KV group per rank: [2 q heads; k; v]
+        assert qkv.shape == ((4 // 2 + 2) * 32, 64)  # one KV group per rank: [2 q heads; k; v]
         assert torch.equal(qkv[:64], hf["model.layers.0.self_attn.q_proj.weight"][64:])
+        assert torch.equal(qkv[64:96], hf["model.layers.0.self_attn.k_proj.weight"][32:])
+        assert torch.equal(qkv[96:], hf["model.layers.0.self_attn.v_proj.weight"][32:])
         assert torch.equal(shards[1]["decoder.layers.0.mlp.linear_fc1.weight"][:64], hf["model.layers.0.mlp.gate_proj.weight"][64:])
     back = megatron_to_hf(shards, lay)
     assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
@@ -96,7 +97,7 @@ def _megatron_rank(rank, world, port, tp, out):
             numel.append(int(m.sum()))
             actor.train(ro, (ro.response_lens % 2).float(), torch.arange(3).repeat_interleave(3), lp.logp)
             engine.update_weights(actor.weights_for_sync())
-        result.update(mismatches=mismatches, numel=numel, readback=actor.evidence.readback()["ops"])
+        result.update(mismatches=mismatches, numel=numel, readback=actor.ops.counter.as_dict())
     torch.save(result, os.path.join(out, f"{rank}.pt"))
 
 
@@ -108,7 +109,8 @@ def test_megatron_actor_on_gloo(tp, tmp_path):
     if tp == 1:
         assert all(n > 0 for n in r0["numel"])
         assert r0["mismatches"] == [0, 0, 0], r0["mismatches"]  # bitwise, before and after updates
-        assert all(v["calls"] > 0 for k, v in r0["readback"].items() if k != "logp.linear")
+        # every op slot ran (paged attention is the vLLM engine's; sampling logits the engine's)
+        assert all(v["calls"] > 0 for k, v in r0["readback"].items() if k not in ("logp.linear", "attention.paged_attention"))
 
 
 @pytest.mark.slow

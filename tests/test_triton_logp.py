@@ -231,6 +231,9 @@ def _sharded_logp(hidden, weight, targets, **kw):
 
 
 def _rank(rank, world, port, out_dir):
+    from helpers import fixed_order_interpreter_dot
+
+    fixed_order_interpreter_dot()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)

@@ -10,6 +10,7 @@ import torch
 
 from helpers import OPTIM, determinism
 from lockstep.framework.actor.native import NativeActor
+from lockstep.framework.models.qwen3 import Qwen3Config
 from lockstep.framework.rollout.base import SamplingParams
 from lockstep.framework.rollout.sampling import sample_seed
 from lockstep.framework.weights.sync import WeightChecksumError, WeightPayload, WeightVersionError
@@ -106,7 +107,32 @@ def test_readback_from_the_vllm_worker(pair, tmp_path):
     [path] = engine.write_readback(str(tmp_path))
     rb = json.loads(open(path).read())
     assert rb["backend"] == "vllm" and rb["side"] == "rollout" and rb["selection"] == {"attention": "R", "ffn": "R", "logp": "R"}
-    assert rb["ops"]["attention.attention"]["calls"] > 0 and rb["logp_route"]["calls"]["provider"] > 0
+    assert rb["ops"]["attention.paged_attention"]["calls"] > 0 and rb["logp_route"]["calls"]["provider"] > 0
+    assert rb["ops"]["attention.attention"]["calls"] == 0  # vLLM's cache is paged: the contiguous op never runs
+    assert rb["kernel_calls"]["paged_attention"] > 0 and rb["kernel_calls"]["causal_attention"] == 0
+
+
+def test_compiled_engine_is_bitwise_and_runs_no_python_per_step(pair, tmp_path):
+    """vLLM's torch.compile trace (CPU: Dynamo + Inductor) of the lockstep layers: the custom ops stay
+    opaque in the graph, so the compiled engine's logprobs equal the eager trainer's bit for bit."""
+    actor, _ = pair
+    engine = VllmRolloutEngine(MODEL, determinism=determinism(), real_vocab_size=REAL_VOCAB, eos_id=2, pad_id=0,
+                               max_batch=32, enforce_eager=False)
+    try:
+        engine.update_weights(WeightPayload.pack(actor.model.hf_state_dict().items(), 0))
+        engine.version = actor.version
+        for ids, n, sampling in COMPOSITIONS[:3]:
+            _assert_bitwise(actor, engine.generate([PROMPTS[i] for i in ids], sampling, _seeds(ids, n)))
+        [path] = engine.write_readback(str(tmp_path))
+        rb = json.loads(open(path).read())
+        assert rb["compiled_forward"] is True
+        # the decoder's lockstep ops are in the compiled graph: Python called them once per layer, while
+        # tracing, whereas every generated token went through the eager sampler's logp
+        layers = Qwen3Config(**MODEL).num_hidden_layers
+        assert rb["kernel_calls"]["silu_mul"] == rb["ops"]["ffn.silu_mul"]["calls"] == layers
+        assert rb["kernel_calls"]["linear_logp"] > 3 * layers
+    finally:
+        engine.shutdown()
 
 
 def test_support_window_overflow_is_an_error():
@@ -119,12 +145,16 @@ def test_support_window_overflow_is_an_error():
 
 def test_engine_arguments_per_device():
     cpu = engine_kwargs("cpu", tensor_parallel_size=1, max_model_len=64, max_logprobs=16, max_batch=8,
-                        gpu_memory_utilization=0.4, dtype="float32", seed=0)
+                        gpu_memory_utilization=0.4, dtype="float32", seed=0, enforce_eager=True, lockstep_attention=True)
     assert cpu["enforce_eager"] and cpu["logprobs_mode"] == "processed_logprobs" and "enable_sleep_mode" not in cpu
+    assert "attention_backend" not in cpu  # vLLM's CPU platform always takes CPU_ATTN (overridden by the plugin)
     gpu = engine_kwargs("cuda", tensor_parallel_size=2, max_model_len=64, max_logprobs=65, max_batch=8,
-                        gpu_memory_utilization=0.4, dtype="bfloat16", seed=0)
+                        gpu_memory_utilization=0.4, dtype="bfloat16", seed=0, enforce_eager=False, lockstep_attention=True)
     assert gpu["enable_sleep_mode"] and gpu["compilation_config"]["cudagraph_capture_sizes"] == list(range(1, 9))
-    assert gpu["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert gpu["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY" and gpu["attention_backend"] == "CUSTOM"
+    stock = engine_kwargs("cuda", tensor_parallel_size=1, max_model_len=64, max_logprobs=65, max_batch=8,
+                          gpu_memory_utilization=0.4, dtype="bfloat16", seed=0, enforce_eager=False, lockstep_attention=False)
+    assert "attention_backend" not in stock  # attention P: vLLM picks its own backend
 
 
 QUIET = ["logger.progress=false", "logger.wandb.enabled=false", "trainer.save_final=false"]

@@ -59,10 +59,6 @@ def token_weights(mask: torch.Tensor, how: str) -> torch.Tensor:
     return m / lengths.clamp(min=1) / (lengths > 0).sum().clamp(min=1)
 
 
-def aggregate(x: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
-    return (x * token_weights(mask, how)).sum()
-
-
 def grpo_token_terms(logp, old_logp, advantages, cfg: GRPOConfig, ref_logp=None) -> dict[str, torch.Tensor]:
     """Per-token [B, R] terms: the clipped policy loss, the k3 KL, clip indicator and ratio."""
     adv = advantages[:, None].expand_as(logp)
@@ -76,12 +72,29 @@ def grpo_token_terms(logp, old_logp, advantages, cfg: GRPOConfig, ref_logp=None)
     return terms
 
 
-def grpo_loss(logp, old_logp, advantages, mask, cfg: GRPOConfig, ref_logp=None):
-    """logp, old_logp, ref_logp [B, R]; advantages [B]; mask [B, R] -> (loss, metrics)."""
+LOSS_STATS = ("pg_loss", "kl_loss", "clipfrac", "ratio_mean", "entropy")
+
+
+def grpo_loss(logp, old_logp, advantages, mask, cfg: GRPOConfig, ref_logp=None, *, rows=None, owned=None,
+              entropy=None):
+    """One optimizer step's GRPO loss, or the share of it that one worker's tokens carry.
+
+    logp, old_logp, ref_logp, entropy, mask, owned: [B, R] over the whole rollout batch;
+    advantages [B]; rows: the minibatch's samples (default all); owned: the tokens this worker
+    scored (default all). Token weights come from the minibatch's mask (cfg.loss_agg) and are zero
+    outside `owned`, so the workers' shares add up to the minibatch loss whatever the split.
+    Returns (loss, stats): stats are this worker's shares (0-d tensors) of LOSS_STATS (clipfrac,
+    ratio and entropy are token means)."""
+    if rows is not None:
+        in_rows = torch.zeros_like(mask)
+        in_rows[rows.to(mask.device)] = True
+        mask = mask & in_rows
+    w, tok = token_weights(mask, cfg.loss_agg), token_weights(mask, "token_mean")
+    if owned is not None:
+        w, tok = w * owned, tok * owned
     t = grpo_token_terms(logp, old_logp, advantages, cfg, ref_logp)
-    w = token_weights(mask, cfg.loss_agg)
-    pg_loss, kl_loss = (t["pg"] * w).sum(), (t["kl"] * w).sum()
-    loss = pg_loss + cfg.kl_coef * kl_loss
-    tok = token_weights(mask, "token_mean")
-    return loss, {"pg_loss": pg_loss.item(), "kl_loss": kl_loss.item(), "clipfrac": float((t["clipped"] * tok).sum()),
-                  "ratio_mean": float((t["ratio"] * tok).sum())}
+    pg, kl = (t["pg"] * w).sum(), (t["kl"] * w).sum()
+    stats = {"pg_loss": pg.detach(), "kl_loss": kl.detach(), "clipfrac": (t["clipped"] * tok).sum(),
+             "ratio_mean": (t["ratio"] * tok).sum(),
+             "entropy": (entropy.detach() * tok).sum() if entropy is not None else torch.zeros_like(pg)}
+    return pg + cfg.kl_coef * kl, stats

@@ -4,7 +4,8 @@ The gates read only what the run left on disk (config.yaml, summary.json, metric
 lockstep.log, readbacks/*.json): a run is COMPLETE when it finished every planned step, logged no
 traceback, had mismatch_count == 0 with numel > 0 on every step, fell back nowhere, and the
 readbacks of both sides show every module configured R actually ran the lockstep route
-(call count > 0), with route evidence from every process in audit mode.
+(call count > 0) with one kernel backend on every side, with route evidence from every process in
+audit mode.
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from lockstep.framework.tracking.jsonl import read_jsonl
 from lockstep.framework.tracking.tracker import METRICS_FILE
 
 SEAL_FILE = "COMPLETE"
-MODULE_OPS = {"attention": ("linear", "rms_norm", "attention"), "ffn": ("linear", "rms_norm", "silu_mul"),
-              "logp": ("rms_norm", "linear_logp")}
+# the op slots each R module must have called; "a|b": either (the attention core is the contiguous
+# op in the native engine and the trainers, the paged one in vLLM)
+MODULE_OPS = {"attention": ("linear", "row_linear", "rms_norm", "rope_cos_sin", "apply_rope", "attention|paged_attention"),
+              "ffn": ("linear", "row_linear", "rms_norm", "silu_mul"), "logp": ("rms_norm", "linear_logp")}
 
 
 @dataclass
@@ -88,13 +91,23 @@ def check_run(run_dir: str | Path) -> list[Gate]:
         for module, letter in expected.items():
             if letter != "R":
                 continue
-            for op in MODULE_OPS[module]:
-                entry = rb["ops"].get(f"{module}.{op}", {"impl": "absent", "calls": 0})
-                if entry["impl"] == TORCH_IMPL or entry["calls"] <= 0:
-                    problems.append(f"{label(rb)} {module}.{op}: {entry['impl']} called {entry['calls']} times")
+            for slot in MODULE_OPS[module]:
+                entries = [rb["ops"].get(f"{module}.{op}", {"impl": "absent", "calls": 0}) for op in slot.split("|")]
+                if not any(e["impl"] != TORCH_IMPL and e["calls"] > 0 for e in entries):
+                    problems.append(f"{label(rb)} {module}.{slot}: " + ", ".join(
+                        f"{e['impl']} called {e['calls']} times" for e in entries))
         if expected["logp"] == "R" and not rb["logp_route"]["calls"].get("provider"):
             problems.append(f"{label(rb)}: the logp provider never served a call")
     _gate(gates, "r_ops_called", problems)
+
+    # both sides must compute with one implementation of the kernels (torch reference or Triton)
+    backends = {}
+    for rb in readbacks:
+        if "R" in rb["selection"].values():
+            backends.setdefault(rb.get("kernel_backend", "unknown"), []).append(label(rb))
+    _gate(gates, "same_kernel_backend", [] if len(backends) <= 1 else
+          ["; ".join(f"{b}: {' '.join(who)}" for b, who in sorted(backends.items()))],
+          ", ".join(backends) or "no lockstep kernels")
 
     if det["mode"] == "audit":
         _gate(gates, "route_evidence", [f"{label(rb)}: no route evidence" for rb in readbacks

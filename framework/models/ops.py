@@ -1,31 +1,36 @@
 """The ops a model instance runs on, chosen per module and per side, and counted.
 
 Three modules can each run the lockstep kernels (R) or stock torch ops (P):
-  attention  input norm, q/k/v/o projections, q/k norms, the attention core
-  ffn        post-attention norm, gate/up/down projections, SwiGLU
+  attention  input norm, q/k/v projections, q/k norms, RoPE, the attention core, o projection
+             (and its tensor-parallel reduction)
+  ffn        post-attention norm, gate/up projections, SwiGLU, down projection (and its reduction)
   logp       final norm, LM head: sampling logits and the token logprob
 The logprob of module logp=R goes through the linear-logp provider under the determinism mode's
 rules (framework/provider/route.py); P calls the naive path directly. `determinism.mode=off` is
-P everywhere. Every op is wrapped by a counter, which is what the readbacks report.
+P everywhere. Every slot is wrapped by a counter (`ModelOps.counter`) and the logp route keeps a
+record (`ModelOps.record`): the readbacks (framework/consistency/readback.py) report both.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import lockstep.kernels as K
 from lockstep.framework.provider.route import RouteRecord, compute_linear_logp, load_provider
 from lockstep.framework.provider.types import (LinearLogpContext, LinearLogpRequest, LinearLogpResult,
                                                LinearProjection, VocabPartition)
+from lockstep.kernels.collectives import tree_all_reduce
 
 LOCKSTEP_IMPL = "lockstep.kernels"
 TORCH_IMPL = "torch"
 CASES = ("R/R", "R/P", "P/R", "P/P")  # trainer/rollout
 SIDES = ("trainer", "rollout")
+MODULES = ("attention", "ffn", "logp")
 
 
 @dataclass(frozen=True)
@@ -45,22 +50,31 @@ class Selection:
         if case not in CASES:
             raise ValueError(f"determinism.case={case!r}; valid: {', '.join(CASES)} (trainer/rollout)")
         uses_r = case.split("/")[SIDES.index(side)] == "R"
-        return cls(*(uses_r and bool(determinism[m]) for m in ("attention", "ffn", "logp")))
+        return cls(*(uses_r and bool(determinism[m]) for m in MODULES))
 
     def letters(self) -> dict[str, str]:
-        return {m: "R" if getattr(self, m) else "P" for m in ("attention", "ffn", "logp")}
+        return {m: "R" if getattr(self, m) else "P" for m in MODULES}
+
+    @property
+    def any(self) -> bool:
+        return self.attention or self.ffn or self.logp
 
 
 @dataclass(frozen=True)
 class AttentionOps:
-    linear: Callable
+    linear: Callable  # column-parallel projections (q, k, v): (x, weight) -> x @ weight^T
+    row_linear: Callable  # the o projection: (x, weight shard, tp group | None) -> the reduced output
     rms_norm: Callable
+    rope_cos_sin: Callable  # (positions, head_dim, theta) -> cos, sin [..., head_dim] fp32
+    apply_rope: Callable  # (x [..., T, H, D], cos, sin [..., T, D]) -> x rotated
     attention: Callable  # (q [B,Tq,H,D], k, v [B,S,Hkv,D], q_pos [B,Tq], scale) -> [B,Tq,H,D]
+    paged_attention: Callable | None  # lockstep.kernels.paged_attention's signature (R only)
 
 
 @dataclass(frozen=True)
 class FFNOps:
     linear: Callable
+    row_linear: Callable
     rms_norm: Callable
     silu_mul: Callable
 
@@ -78,6 +92,9 @@ class ModelOps:
     ffn: FFNOps
     logp: LogpOps
     selection: Selection
+    mode: str = "strict"
+    counter: "OpCounter" = field(default_factory=lambda: OpCounter())
+    record: RouteRecord = field(default_factory=RouteRecord)
 
 
 # ---- the stock (P) implementations -------------------------------------------------------------
@@ -87,6 +104,22 @@ def torch_rms_norm(x, weight, eps):
 
 def torch_silu_mul(gate, up):
     return F.silu(gate) * up
+
+
+def torch_rope_cos_sin(positions, head_dim, theta):
+    """transformers' Qwen3 rotary embedding (default rope type), written out."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
+                                / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def torch_apply_rope(x, cos, sin):
+    """transformers' apply_rotary_pos_emb (rotate_half) for one tensor laid out [..., T, H, D]."""
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def sdpa_attention(q, k, v, q_pos, scale=None):
@@ -99,6 +132,34 @@ def sdpa_attention(q, k, v, q_pos, scale=None):
         mask = torch.arange(s_len, device=q.device)[None, None, None, :] <= q_pos[:, None, :, None]
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)
+
+
+class _AllReduce(torch.autograd.Function):
+    """NCCL's (or gloo's) all-reduce of a row-parallel output; the gradient is replicated, so the
+    backward passes it through (megatron's reduce-from-tensor-parallel-region)."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        t = t.clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _tp_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def torch_row_linear(x, weight, group=None):
+    out = F.linear(x, weight)
+    return _AllReduce.apply(out, group) if _tp_size(group) > 1 else out
+
+
+def lockstep_row_linear(x, weight, group=None):
+    return tree_all_reduce(K.linear(x, weight), group)
 
 
 def naive_linear_logp(hidden, weight, targets, *, bias=None, temperature=None, real_vocab_size=None,
@@ -150,7 +211,7 @@ class OpCounter:
         self.calls[key] += 0
 
         def counted(*args, **kwargs):
-            self.calls[key] += 1
+            self.calls[key] += 1  # inside a torch.compile trace: once, when traced
             return fn(*args, **kwargs)
 
         return counted
@@ -182,29 +243,42 @@ class ProviderLogp:
                                    import_error=self.import_error, record=self.record)
 
 
-def build_ops(selection: Selection, *, mode: str = "strict", provider: str = "lockstep.kernels.provider:linear_logp_provider",
-              counter: OpCounter | None = None, record: RouteRecord | None = None) -> ModelOps:
-    counter = counter if counter is not None else OpCounter()
-    record = record if record is not None else RouteRecord()
+DEFAULT_PROVIDER = "lockstep.kernels.provider:linear_logp_provider"
+
+
+def build_ops(selection: Selection, *, mode: str = "strict", provider: str = DEFAULT_PROVIDER) -> ModelOps:
+    counter, record = OpCounter(), RouteRecord()
     kernels_impl = f"{LOCKSTEP_IMPL}[{K.get_backend()}]"
 
-    def pick(module: str, op: str, use_r: bool, lockstep_fn: Callable, torch_fn: Callable) -> Callable:
-        return counter.wrap(f"{module}.{op}", kernels_impl if use_r else TORCH_IMPL, lockstep_fn if use_r else torch_fn)
+    def pick(module: str, op: str, lockstep_fn: Callable | None, torch_fn: Callable | None) -> Callable | None:
+        use_r = getattr(selection, module)
+        fn = lockstep_fn if use_r else torch_fn
+        return None if fn is None else counter.wrap(f"{module}.{op}", kernels_impl if use_r else TORCH_IMPL, fn)
 
-    s = selection
-    attention = AttentionOps(pick("attention", "linear", s.attention, K.linear, F.linear),
-                             pick("attention", "rms_norm", s.attention, K.rms_norm, torch_rms_norm),
-                             pick("attention", "attention", s.attention, K.causal_attention, sdpa_attention))
-    ffn = FFNOps(pick("ffn", "linear", s.ffn, K.linear, F.linear),
-                 pick("ffn", "rms_norm", s.ffn, K.rms_norm, torch_rms_norm),
-                 pick("ffn", "silu_mul", s.ffn, K.silu_mul, torch_silu_mul))
-    if s.logp:
+    attention = AttentionOps(pick("attention", "linear", K.linear, F.linear),
+                             pick("attention", "row_linear", lockstep_row_linear, torch_row_linear),
+                             pick("attention", "rms_norm", K.rms_norm, torch_rms_norm),
+                             pick("attention", "rope_cos_sin", K.rope_cos_sin, torch_rope_cos_sin),
+                             pick("attention", "apply_rope", K.apply_rope, torch_apply_rope),
+                             pick("attention", "attention", K.causal_attention, sdpa_attention),
+                             pick("attention", "paged_attention", K.paged_attention, None))
+    ffn = FFNOps(pick("ffn", "linear", K.linear, F.linear),
+                 pick("ffn", "row_linear", lockstep_row_linear, torch_row_linear),
+                 pick("ffn", "rms_norm", K.rms_norm, torch_rms_norm),
+                 pick("ffn", "silu_mul", K.silu_mul, torch_silu_mul))
+    if selection.logp:
         logp_fn = counter.wrap("logp.linear_logp", f"provider:{provider}", ProviderLogp(mode, provider, record))
     else:
         logp_fn = counter.wrap("logp.linear_logp", TORCH_IMPL, naive_linear_logp)
-    logp = LogpOps(pick("logp", "rms_norm", s.logp, K.rms_norm, torch_rms_norm),
-                   pick("logp", "linear", s.logp, K.linear, F.linear), logp_fn)
-    return ModelOps(attention, ffn, logp, selection)
+    logp = LogpOps(pick("logp", "rms_norm", K.rms_norm, torch_rms_norm),
+                   pick("logp", "linear", K.linear, F.linear), logp_fn)
+    return ModelOps(attention, ffn, logp, selection, mode, counter, record)
+
+
+def ops_for_side(determinism: dict, side: str) -> ModelOps:
+    """The ops one side of a run computes with, as its determinism config chooses them."""
+    return build_ops(Selection.for_side(determinism, side), mode=determinism["mode"],
+                     provider=determinism.get("provider", DEFAULT_PROVIDER))
 
 
 ALL_R = Selection(True, True, True)

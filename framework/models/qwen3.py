@@ -1,9 +1,11 @@
-"""Qwen3 decoder (RMSNorm, GQA with q/k norm, RoPE, SwiGLU, optional tied embeddings).
+"""Qwen3 (RMSNorm, GQA with q/k norm, RoPE, SwiGLU, optional tied embeddings): the config and the
+native backend's model.
 
-One definition serves the trainer and the native rollout engine. All arithmetic goes through the
-`ModelOps` the instance was built with, parameter names are Hugging Face's (so checkpoints load
-and save as HF safetensors), and keys are addressed by absolute position: a forward with a KV cache
-(prefill, decode) and one without (teacher forcing) compute each token identically.
+The native trainer and the native rollout engine share this module: HF parameter names (so
+checkpoints load and save as HF safetensors) over the layer math of models/layer.py, computed
+with the `ModelOps` the instance was built with. Keys are addressed by absolute position: a
+forward with a KV cache (prefill, decode) and one without (teacher forcing) compute each token
+identically.
 """
 from __future__ import annotations
 
@@ -11,14 +13,12 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable
-
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-import lockstep.kernels as K
-from lockstep.framework.models.ops import AttentionOps, FFNOps, ModelOps
+from lockstep.framework.models.layer import AttentionWeights, LayerGeometry, MLPWeights, decoder_layer
+from lockstep.framework.models.ops import ModelOps
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -48,10 +48,6 @@ class Qwen3Config:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
 
-    @classmethod
-    def tiny(cls, vocab_size: int) -> "Qwen3Config":
-        return cls(vocab_size=vocab_size)
-
     def to_hf(self) -> dict:
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
                 "attention_bias": False, "torch_dtype": "float32", **asdict(self)}
@@ -63,23 +59,17 @@ class Qwen3Config:
 
 
 class Linear(nn.Module):
-    def __init__(self, linear: Callable, in_features: int, out_features: int):
-        super().__init__()
-        self.linear = linear
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+    """A weight under HF's name; the layer math (models/layer.py) decides which op multiplies it."""
 
-    def forward(self, x):
-        return self.linear(x, self.weight)
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, rms_norm: Callable, dim: int, eps: float):
+    def __init__(self, dim: int):
         super().__init__()
-        self.rms_norm, self.eps = rms_norm, eps
         self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return self.rms_norm(x, self.weight, self.eps)
 
 
 class KVCache:
@@ -98,69 +88,58 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, ops: AttentionOps, cfg: Qwen3Config, layer: int):
+    def __init__(self, cfg: Qwen3Config):
         super().__init__()
-        self.ops, self.cfg, self.layer = ops, cfg, layer
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = Linear(ops.linear, h, cfg.num_attention_heads * d)
-        self.k_proj = Linear(ops.linear, h, cfg.num_key_value_heads * d)
-        self.v_proj = Linear(ops.linear, h, cfg.num_key_value_heads * d)
-        self.o_proj = Linear(ops.linear, cfg.num_attention_heads * d, h)
-        self.q_norm = RMSNorm(ops.rms_norm, d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(ops.rms_norm, d, cfg.rms_norm_eps)
-
-    def forward(self, x, positions, cos, sin, cache: KVCache | None):
-        b, t, _ = x.shape
-        d = self.cfg.head_dim
-        q = self.q_norm(self.q_proj(x).view(b, t, -1, d))
-        k = self.k_norm(self.k_proj(x).view(b, t, -1, d))
-        v = self.v_proj(x).view(b, t, -1, d)
-        q, k = K.apply_rope(q, cos, sin), K.apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.write(self.layer, positions, k, v)
-        out = self.ops.attention(q, k, v, positions, 1.0 / math.sqrt(d))
-        return self.o_proj(out.reshape(b, t, -1))
+        self.q_proj = Linear(h, cfg.num_attention_heads * d)
+        self.k_proj = Linear(h, cfg.num_key_value_heads * d)
+        self.v_proj = Linear(h, cfg.num_key_value_heads * d)
+        self.o_proj = Linear(cfg.num_attention_heads * d, h)
+        self.q_norm = RMSNorm(d)
+        self.k_norm = RMSNorm(d)
 
 
 class MLP(nn.Module):
-    def __init__(self, ops: FFNOps, cfg: Qwen3Config):
+    def __init__(self, cfg: Qwen3Config):
         super().__init__()
-        self.ops = ops
-        self.gate_proj = Linear(ops.linear, cfg.hidden_size, cfg.intermediate_size)
-        self.up_proj = Linear(ops.linear, cfg.hidden_size, cfg.intermediate_size)
-        self.down_proj = Linear(ops.linear, cfg.intermediate_size, cfg.hidden_size)
-
-    def forward(self, x):
-        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, ops: ModelOps, cfg: Qwen3Config, layer: int):
-        super().__init__()
-        self.self_attn = Attention(ops.attention, cfg, layer)
-        self.mlp = MLP(ops.ffn, cfg)
-        self.input_layernorm = RMSNorm(ops.attention.rms_norm, cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(ops.ffn.rms_norm, cfg.hidden_size, cfg.rms_norm_eps)
+    """HF's parameter layout; the math is models/layer.py's decoder_layer."""
 
-    def forward(self, x, positions, cos, sin, cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
+
+    def weights(self) -> tuple[AttentionWeights, MLPWeights]:
+        a, m = self.self_attn, self.mlp
+        return (AttentionWeights(self.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+                                 a.q_norm.weight, a.k_norm.weight, a.o_proj.weight),
+                MLPWeights(self.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
+                           m.down_proj.weight))
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, ops: ModelOps, cfg: Qwen3Config):
+    def __init__(self, cfg: Qwen3Config):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(ops, cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(ops.logp.rms_norm, cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size)
 
 
 class Qwen3ForCausalLM(nn.Module):
     def __init__(self, cfg: Qwen3Config, ops: ModelOps):
         super().__init__()
         self.config, self.ops = cfg, ops
-        self.model = Qwen3Model(ops, cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(ops.logp.linear, cfg.hidden_size, cfg.vocab_size)
+        self.model = Qwen3Model(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.geometry = LayerGeometry(cfg.head_dim, cfg.rms_norm_eps)
 
     # ---- weights -------------------------------------------------------------------------------
     def init_weights(self, seed: int) -> None:
@@ -212,11 +191,18 @@ class Qwen3ForCausalLM(nn.Module):
         """input_ids, positions [B, T] -> final hidden states [B, T, H] (after the last norm).
 
         Without a cache, row b must hold its sequence from position 0 (teacher forcing)."""
-        cos, sin = K.rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        ops, cfg = self.ops, self.config
+        cos, sin = ops.attention.rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        scale = 1.0 / math.sqrt(cfg.head_dim)
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, cos, sin, cache)
-        return self.model.norm(x)
+        for i, layer in enumerate(self.model.layers):
+            def core(q, k, v, i=i):
+                if cache is not None:
+                    k, v = cache.write(i, positions, k, v)
+                return ops.attention.attention(q, k, v, positions, scale)
+
+            x = decoder_layer(x, *layer.weights(), ops, cos, sin, core, self.geometry)
+        return ops.logp.rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ops.logp.linear(hidden, self.lm_head_weight).float()

@@ -11,13 +11,13 @@ import time
 
 import torch
 
-from lockstep.framework.consistency.readback import ProcessEvidence
+from lockstep.framework.consistency.readback import readback, write_readback
+from lockstep.framework.models.ops import ops_for_side
 from lockstep.framework.models.qwen3 import KVCache, Qwen3Config, Qwen3ForCausalLM
 from lockstep.framework.rollout.base import Rollout, RolloutEngine, SamplingParams
+from lockstep.framework.rollout.faults import check_fault, faulty_logp
 from lockstep.framework.rollout.sampling import pad_supports, sample_row
 from lockstep.framework.weights.sync import WeightPayload, verify_incoming, verify_loaded
-
-FAULTS = ("none", "rollout_logp_reversed_vocab")
 
 
 class NativeRolloutEngine(RolloutEngine):
@@ -25,18 +25,15 @@ class NativeRolloutEngine(RolloutEngine):
                  num_threads: int = 1, engine_index: int = 0, device: str = "cpu", dtype: str = "float32"):
         torch.set_num_threads(num_threads)
         self.device, self.dtype = torch.device(device), getattr(torch, dtype)
-        inject_fault = determinism.get("inject_fault", "none")
-        if inject_fault not in FAULTS:
-            raise ValueError(f"unknown fault {inject_fault!r}; valid: {', '.join(FAULTS)}")
-        self.evidence = ProcessEvidence(determinism, "rollout", "native", instance=engine_index)
+        self.inject_fault = check_fault(determinism.get("inject_fault", "none"))
+        self.ops, self.engine_index = ops_for_side(determinism, "rollout"), engine_index
         self.cfg = Qwen3Config(**model_config)
-        self.model = Qwen3ForCausalLM(self.cfg, self.evidence.ops).to(self.device, self.dtype).eval().requires_grad_(False)
+        self.model = Qwen3ForCausalLM(self.cfg, self.ops).to(self.device, self.dtype).eval().requires_grad_(False)
         self.real_vocab_size, self.eos_id, self.pad_id = real_vocab_size, eos_id, pad_id
-        self.inject_fault = inject_fault
         self.version = -1
 
     def write_readback(self, run_dir: str) -> str:
-        return self.evidence.write(run_dir)
+        return write_readback(run_dir, readback(self.ops, side="rollout", backend="native", instance=self.engine_index))
 
     # ---- weights -------------------------------------------------------------------------------
     def update_weights(self, payload: WeightPayload) -> dict:
@@ -97,12 +94,10 @@ class NativeRolloutEngine(RolloutEngine):
         return self._assemble(tokens, prompt_lens, step_logp, step_support, step_alive, sampling)
 
     def _token_logp(self, hidden, targets, sampling: SamplingParams, support):
-        if self.inject_fault == "rollout_logp_reversed_vocab":
-            # Test fault: identical math, reversed reduction order (every real id, listed backwards).
-            if support is None:
-                support = torch.arange(self.real_vocab_size - 1, -1, -1, device=hidden.device).expand(len(targets), -1)
-            else:
-                support = support.flip(-1)
+        if self.inject_fault != "none":
+            return faulty_logp(self.inject_fault, hidden, self.model.lm_head_weight, targets,
+                               temperature=sampling.logp_temperature, real_vocab_size=self.real_vocab_size,
+                               support_ids=support)
         return self.model.token_logp(hidden, targets, temperature=sampling.logp_temperature,
                                      real_vocab_size=self.real_vocab_size, support_ids=support).logp
 

@@ -22,8 +22,10 @@ import vllm  # noqa: F401  (an environment without vLLM reports this backend una
 from safetensors.torch import save_file
 
 from lockstep.framework.consistency.readback import write_readback
+from lockstep.framework.models.ops import Selection
 from lockstep.framework.models.qwen3 import CONFIG_FILE, Qwen3Config
 from lockstep.framework.rollout.base import Rollout, RolloutEngine, SamplingParams
+from lockstep.framework.rollout.faults import check_fault
 from lockstep.framework.rollout.vllm_plugin import ENV
 from lockstep.framework.weights.sync import WeightChecksumError, WeightPayload, verify_incoming
 
@@ -31,20 +33,32 @@ log = logging.getLogger(__name__)
 WORKER_EXTENSION = "lockstep.framework.rollout.vllm_plugin.worker.LockstepWorkerExtension"
 
 
+# Set in the engine process, inherited by the processes vLLM spawns.
+VLLM_ENV = {
+    "VLLM_USE_V2_MODEL_RUNNER": "0",  # the plugin's hooks are the V1 runner's (vLLM 0.26 picks V2 for dense models)
+    # vLLM's compile cache key knows neither the plugin's code nor the determinism config: a cached
+    # graph could be another configuration's
+    "VLLM_DISABLE_COMPILE_CACHE": "1",
+}
+
+
 def engine_kwargs(device: str, *, tensor_parallel_size: int, max_model_len: int, max_logprobs: int,
-                  max_batch: int, gpu_memory_utilization: float, dtype: str, seed: int) -> dict:
-    """vLLM engine arguments. On CUDA: sleep mode for colocation and one CUDA graph per decode batch
-    size 1..max_batch (exact-batch capture: no padding of a decode batch to a larger graph size)."""
+                  max_batch: int, gpu_memory_utilization: float, dtype: str, seed: int, enforce_eager: bool,
+                  lockstep_attention: bool) -> dict:
+    """vLLM engine arguments. Compiled unless enforce_eager; on CUDA also sleep mode for colocation
+    and one CUDA graph per decode batch size 1..max_batch (exact-batch FULL_DECODE_ONLY capture: no
+    decode batch is padded to a larger graph size), and lockstep's attention backend by name."""
     kwargs = dict(skip_tokenizer_init=True, load_format="dummy", dtype=dtype, seed=seed,
                   tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                   enable_prefix_caching=False, logprobs_mode="processed_logprobs", max_logprobs=max_logprobs,
-                  worker_extension_cls=WORKER_EXTENSION, max_num_seqs=max_batch)
+                  worker_extension_cls=WORKER_EXTENSION, max_num_seqs=max_batch, enforce_eager=enforce_eager)
     if device == "cuda":
-        kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization,
-                      compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY",
-                                          "cudagraph_capture_sizes": list(range(1, max_batch + 1))})
-    else:
-        kwargs.update(enforce_eager=True)  # lockstep's reference kernels run eagerly on CPU
+        kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization)
+        if lockstep_attention:
+            kwargs["attention_backend"] = "CUSTOM"  # the plugin registered lockstep's backend under it
+        if not enforce_eager:
+            kwargs["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY",
+                                            "cudagraph_capture_sizes": list(range(1, max_batch + 1))}
     return kwargs
 
 
@@ -52,9 +66,9 @@ class VllmRolloutEngine(RolloutEngine):
     def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, eos_id: int, pad_id: int,
                  num_threads: int = 1, tensor_parallel_size: int = 1, max_support: int = 64,
                  max_batch: int = 256, gpu_memory_utilization: float = 0.4, kv_cache_gib: float = 1.0,
-                 max_model_len: int | None = None, seed: int = 0, engine_index: int = 0):
-        if determinism.get("inject_fault", "none") != "none":
-            raise ValueError("determinism.inject_fault is implemented by the native engine only")
+                 max_model_len: int | None = None, seed: int = 0, engine_index: int = 0, dtype: str = "float32",
+                 enforce_eager: bool | str = "auto"):
+        check_fault(determinism.get("inject_fault", "none"))
         torch.set_num_threads(num_threads)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.cfg = Qwen3Config(**model_config)
@@ -66,15 +80,18 @@ class VllmRolloutEngine(RolloutEngine):
         (model_dir / CONFIG_FILE).write_text(json.dumps({**self.cfg.to_hf(), "lockstep_real_vocab_size": real_vocab_size}))
         # Read by the plugin in every vLLM process (inherited by the processes vLLM spawns).
         os.environ[ENV] = json.dumps(determinism)
+        os.environ.update(VLLM_ENV)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
         from vllm import LLM
 
+        if enforce_eager == "auto":  # compiled with CUDA graphs on a GPU; eager on a CPU (faster start)
+            enforce_eager = self.device != "cuda"
         t0 = time.perf_counter()
         self.llm = LLM(model=str(model_dir), **engine_kwargs(
             self.device, tensor_parallel_size=tensor_parallel_size,
             max_model_len=max_model_len or self.cfg.max_position_embeddings, max_logprobs=self.window,
-            max_batch=max_batch, gpu_memory_utilization=gpu_memory_utilization,
-            dtype=str(model_config.get("torch_dtype", "float32")), seed=seed))
+            max_batch=max_batch, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, seed=seed,
+            enforce_eager=bool(enforce_eager), lockstep_attention=Selection.for_side(determinism, "rollout").attention))
         self.llm.collective_rpc("lockstep_install")
         self.startup_s = time.perf_counter() - t0
         self.tensor_parallel_size, self.engine_index = tensor_parallel_size, engine_index
@@ -118,6 +135,10 @@ class VllmRolloutEngine(RolloutEngine):
         return "woken"
 
     def shutdown(self) -> None:
+        """Stop vLLM's engine-core processes (freeing their memory) and remove the work dir."""
+        core = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     # ---- generation ----------------------------------------------------------------------------

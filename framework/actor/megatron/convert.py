@@ -1,8 +1,10 @@
 """Qwen3 weights between Hugging Face names and megatron-core's GPTModel, per tensor-parallel rank.
 
-Layouts (megatron-core, local spec):
-- linear_qkv: per KV group g the rows [q heads of g; k_g; v_g]; rank r holds groups
-  [r * G/tp, (r + 1) * G/tp) (so tp must divide the number of KV heads);
+Layouts (lockstep's megatron layer, framework/actor/megatron/layers.py):
+- linear_qkv: rank r holds KV groups [r * G/tp, (r + 1) * G/tp) (so tp must divide the number of KV
+  heads) as [q_r; k_r; v_r]: the query heads of its groups, then their keys, then their values
+  (contiguous row blocks, so the layer takes q/k/v as views; megatron's own SelfAttention would
+  interleave them per group, but its forward never runs here);
 - linear_fc1: per rank [gate_r; up_r], not a slice of the fused tensor;
 - linear_proj / linear_fc2: split along the input dimension; word embeddings and an untied output
   layer: split along the vocab; norms (including q/k norms) replicated.
@@ -49,13 +51,10 @@ def _cols(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
 
 def layer_to_megatron(hf: dict, i: int, lay: Qwen3Layout, tp: int, rank: int) -> dict[str, torch.Tensor]:
     p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-    g, per, hd, h = lay.num_kv_heads, lay.num_heads // lay.num_kv_heads, lay.head_dim, lay.hidden
-    qkv = torch.cat([hf[p + "self_attn.q_proj.weight"].view(g, per * hd, h),
-                     hf[p + "self_attn.k_proj.weight"].view(g, hd, h),
-                     hf[p + "self_attn.v_proj.weight"].view(g, hd, h)], 1)
+    qkv = torch.cat([_rows(hf[p + f"self_attn.{n}_proj.weight"], tp, rank) for n in "qkv"])
     return {
         m + "input_layernorm.weight": hf[p + "input_layernorm.weight"],
-        m + "self_attention.linear_qkv.weight": _rows(qkv, tp, rank).reshape(-1, h),
+        m + "self_attention.linear_qkv.weight": qkv,
         m + "self_attention.q_layernorm.weight": hf[p + "self_attn.q_norm.weight"],
         m + "self_attention.k_layernorm.weight": hf[p + "self_attn.k_norm.weight"],
         m + "self_attention.linear_proj.weight": _cols(hf[p + "self_attn.o_proj.weight"], tp, rank),
@@ -69,16 +68,17 @@ def layer_to_megatron(hf: dict, i: int, lay: Qwen3Layout, tp: int, rank: int) ->
 def layer_to_hf(shards: list[dict], i: int, lay: Qwen3Layout) -> dict[str, torch.Tensor]:
     """shards: rank-ordered local tensors of one layer (megatron names) -> HF tensors."""
     p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-    g, per, hd, h = lay.num_kv_heads, lay.num_heads // lay.num_kv_heads, lay.head_dim, lay.hidden
-    qkv = torch.cat([s[m + "self_attention.linear_qkv.weight"] for s in shards]).view(g, (per + 2) * hd, h)
-    q, k, v = qkv.split([per * hd, hd, hd], 1)
+    tp = len(shards)
+    q_rows, kv_rows = lay.num_heads * lay.head_dim // tp, lay.num_kv_heads * lay.head_dim // tp
+    q, k, v = (torch.cat(parts) for parts in zip(*(s[m + "self_attention.linear_qkv.weight"].split(
+        [q_rows, kv_rows, kv_rows]) for s in shards)))
     fc1 = [s[m + "mlp.linear_fc1.weight"].chunk(2) for s in shards]
     first = shards[0]
     return {
         p + "input_layernorm.weight": first[m + "input_layernorm.weight"],
-        p + "self_attn.q_proj.weight": q.reshape(-1, h),
-        p + "self_attn.k_proj.weight": k.reshape(-1, h),
-        p + "self_attn.v_proj.weight": v.reshape(-1, h),
+        p + "self_attn.q_proj.weight": q,
+        p + "self_attn.k_proj.weight": k,
+        p + "self_attn.v_proj.weight": v,
         p + "self_attn.q_norm.weight": first[m + "self_attention.q_layernorm.weight"],
         p + "self_attn.k_norm.weight": first[m + "self_attention.k_layernorm.weight"],
         p + "self_attn.o_proj.weight": torch.cat([s[m + "self_attention.linear_proj.weight"] for s in shards], 1),

@@ -9,11 +9,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer import TransformerConfig
 
 from lockstep.framework.actor.megatron.convert import (Qwen3Layout, global_param_names, globals_to_hf, hf_to_megatron,
                                                        layer_param_names, layer_to_hf)
-from lockstep.framework.actor.megatron.layers import lockstep_block_spec
+from lockstep.framework.actor.megatron.layers import lockstep_block_spec, tp_size
 from lockstep.framework.models.ops import ModelOps
 from lockstep.framework.models.qwen3 import Qwen3Config
 
@@ -40,15 +41,16 @@ def transformer_config(cfg: Qwen3Config, tp: int, dtype: str, device: str) -> Tr
 
 def _hidden_passthrough(self, input_, weight=None, runtime_gather_output=None, **_):
     """The output layer's slot returns the final hidden states: logprobs are computed by
-    linear_logp on (hidden, LM-head shard), never from full logits."""
+    linear_logp on (hidden, LM-head shard), never from full logits. As the column-parallel LM head
+    would, it sums the hidden states' gradients over TP (each rank's vocab shard contributes its
+    own part)."""
+    if tp_size(self.tp_group) > 1:
+        input_ = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
     return input_, None
 
 
 def build_model(cfg: Qwen3Config, ops: ModelOps, tp: int, dtype: str, device: str) -> GPTModel:
-    from megatron.core import parallel_state as ps
-
-    spec = lockstep_block_spec(ops, cfg.num_hidden_layers, cfg.rope_theta, cfg.intermediate_size,
-                               ps.get_tensor_model_parallel_group())
+    spec = lockstep_block_spec(ops, cfg.num_hidden_layers, cfg.rope_theta)
     model = GPTModel(transformer_config(cfg, tp, dtype, device), spec, vocab_size=cfg.vocab_size,
                      max_sequence_length=cfg.max_position_embeddings, position_embedding_type="none",
                      share_embeddings_and_output_weights=cfg.tie_word_embeddings, parallel_output=True)

@@ -21,8 +21,10 @@ import torch
 import torch.distributed as dist
 
 from lockstep.framework.actor.base import Actor, LogpResult
-from lockstep.framework.algo.grpo import GRPOConfig, group_advantages, grpo_token_terms, token_weights
-from lockstep.framework.consistency.readback import ProcessEvidence
+from lockstep.framework.actor.logp import BatchLogp, score_samples, warmup_lr
+from lockstep.framework.algo.grpo import LOSS_STATS, GRPOConfig, group_advantages, grpo_loss
+from lockstep.framework.consistency.readback import readback, write_readback
+from lockstep.framework.models.ops import ops_for_side
 from lockstep.framework.models.qwen3 import CONFIG_FILE, WEIGHTS_FILE, Qwen3Config, Qwen3ForCausalLM
 from lockstep.framework.rollout.base import Rollout
 from lockstep.framework.weights.sync import WeightPayload
@@ -90,16 +92,16 @@ class MegatronActor(Actor):
             from megatron.core import tensor_parallel
 
             tensor_parallel.model_parallel_cuda_manual_seed(a["seed"])
-        self.evidence = ProcessEvidence(a["determinism"], "trainer", "megatron", rank=self.rank)
+        self.ops = ops_for_side(a["determinism"], "trainer")
         self.cfg = Qwen3Config(**a["model_config"])
         from lockstep.framework.actor.megatron.model import build_model, load_hf
 
         hf = self._initial_hf_weights()
-        self.model = build_model(self.cfg, self.evidence.ops, self.tp, a["dtype"], self.device)
+        self.model = build_model(self.cfg, self.ops, self.tp, a["dtype"], self.device)
         load_hf(self.model, hf, self.cfg, self.tp, self.tp_rank)
         self.ref = None
         if self.algo.kl_coef > 0:
-            self.ref = build_model(self.cfg, self.evidence.ops, self.tp, a["dtype"], self.device)
+            self.ref = build_model(self.cfg, self.ops, self.tp, a["dtype"], self.device)
             load_hf(self.ref, hf, self.cfg, self.tp, self.tp_rank)
             self.ref.eval().requires_grad_(False)
         self._build_optimizer()
@@ -112,7 +114,7 @@ class MegatronActor(Actor):
             from safetensors.torch import load_file
 
             return load_file(str(Path(a["init_from"]) / WEIGHTS_FILE))
-        model = Qwen3ForCausalLM(self.cfg, self.evidence.ops)
+        model = Qwen3ForCausalLM(self.cfg, self.ops)
         model.init_weights(a["seed"])
         return model.hf_state_dict()
 
@@ -133,40 +135,28 @@ class MegatronActor(Actor):
     def _owned_samples(self, rows: torch.Tensor) -> torch.Tensor:
         return rows[self.dp_rank::self.dp]
 
-    def _logp_of(self, model, rollout: Rollout, samples: torch.Tensor, with_entropy: bool):
-        """Logprobs of this rank's tokens of `samples`: (logp, entropy, owned) as [B, R] over the
-        whole batch, zero / False outside what this rank computed."""
+    def _logp_of(self, model, rollout: Rollout, samples: torch.Tensor, with_entropy: bool) -> BatchLogp:
+        """Logprobs of this rank's tokens of `samples`, over the whole batch ([B, R], `owned`
+        marking what this rank computed), micro-batch by micro-batch."""
         from lockstep.framework.actor.megatron.model import hidden_states, lm_head_shard
 
         dev = torch.device("cuda") if self.device == "cuda" else torch.device("cpu")
-        shape = rollout.logp.shape
-        logp = torch.zeros(shape, device=dev)
-        entropy = torch.zeros(shape, device=dev) if with_entropy else None
-        owned = torch.zeros(shape, dtype=torch.bool, device=dev)
+        out = BatchLogp(rollout, dev, with_entropy)
         lengths = (rollout.prompt_lens + rollout.response_lens)[samples].tolist()
         weight, vocab_start = lm_head_shard(model, self.tp_rank)
+
+        def token_logp(h, targets, **kw):
+            return self.ops.logp.linear_logp(h, weight, targets, real_vocab_size=self.real_vocab_size,
+                                             with_entropy=with_entropy, vocab_start=vocab_start,
+                                             full_vocab_size=self.cfg.vocab_size,
+                                             group=self.tp_group if self.tp > 1 else None, **kw)
+
         for group in micro_batches(lengths, self.max_tokens):
             idx = samples[group]
             width = max(lengths[g] for g in group)
-            tokens = rollout.tokens[idx, :width].to(dev)
-            hidden = hidden_states(model, tokens)  # [b, s, h]
-            mask = rollout.response_mask()[idx].to(dev)
-            bi, ri = mask.nonzero(as_tuple=True)
-            mine = (torch.arange(bi.numel(), device=dev) % self.cp) == self.cp_rank  # CP row ownership
-            bi, ri = bi[mine], ri[mine]
-            src = rollout.prompt_lens[idx].to(dev)[bi] + ri - 1
-            support = rollout.support_ids[idx].to(dev)[bi, ri] if rollout.support_ids is not None else None
-            out = self.evidence.ops.logp.linear_logp(
-                hidden[bi, src], weight, tokens[bi, src + 1], temperature=rollout.sampling.logp_temperature,
-                real_vocab_size=self.real_vocab_size, with_entropy=with_entropy, support_ids=support,
-                vocab_start=vocab_start, full_vocab_size=self.cfg.vocab_size,
-                group=self.tp_group if self.tp > 1 else None)
-            rows = idx.to(dev)[bi]
-            logp = logp.index_put((rows, ri), out.logp)
-            owned = owned.index_put((rows, ri), torch.ones_like(ri, dtype=torch.bool))
-            if with_entropy:
-                entropy = entropy.index_put((rows, ri), out.entropy.detach())
-        return logp, entropy, owned
+            hidden = hidden_states(model, rollout.tokens[idx, :width].to(dev))  # [b, s, h]
+            score_samples(out, hidden, rollout, idx, token_logp, cp_rank=self.cp_rank, cp=self.cp)
+        return out
 
     def _gather_owned(self, values: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
         """Assemble [B, R] from every rank's owned entries (each entry has exactly one owner among
@@ -186,8 +176,8 @@ class MegatronActor(Actor):
                                f"but the actor holds version {self.version}")
         self.model.eval()
         with torch.no_grad():
-            logp, _, owned = self._logp_of(self.model, rollout, self._owned_samples(torch.arange(rollout.batch_size)), False)
-        return LogpResult(self._gather_owned(logp, owned).float().cpu(), self.version)
+            out = self._logp_of(self.model, rollout, self._owned_samples(torch.arange(rollout.batch_size)), False)
+        return LogpResult(self._gather_owned(out.logp, out.owned).float().cpu(), self.version)
 
     # ---- training ------------------------------------------------------------------------------
     def train(self, rollout: Rollout, rewards: torch.Tensor, group_ids: torch.Tensor,
@@ -201,50 +191,37 @@ class MegatronActor(Actor):
         # the batch loss, so scale back to a sum.
         scale = self.dp * self.cp
         self.model.train()
-        totals = torch.zeros(6, device=dev, dtype=torch.float64)
-        for rows in torch.arange(rollout.batch_size).chunk(self.algo.num_minibatches):
-            rows_d = rows.to(dev)
-            weights = torch.zeros_like(old_logp)
-            weights[rows_d] = token_weights(mask[rows_d], self.algo.loss_agg)
-            tok = torch.zeros_like(old_logp)
-            tok[rows_d] = token_weights(mask[rows_d], "token_mean")
+        n = self.algo.num_minibatches
+        totals = torch.zeros(len(LOSS_STATS) + 2, device=dev, dtype=torch.float64)
+        lr = 0.0
+        for rows in torch.arange(rollout.batch_size).chunk(n):
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-            logp, entropy, owned = self._logp_of(self.model, rollout, self._owned_samples(rows), True)
+            mine = self._owned_samples(rows)
+            cur = self._logp_of(self.model, rollout, mine, True)
             ref_logp = None
             if self.ref is not None:
                 with torch.no_grad():
-                    ref_logp, _, _ = self._logp_of(self.ref, rollout, self._owned_samples(rows), False)
-            t = grpo_token_terms(logp, old_logp, adv, self.algo, ref_logp)
-            w = weights * owned
-            pg, kl = (t["pg"] * w).sum(), (t["kl"] * w).sum()
-            ((pg + self.algo.kl_coef * kl) * scale).backward()
+                    ref_logp = self._logp_of(self.ref, rollout, mine, False).logp
+            loss, stats = grpo_loss(cur.logp, old_logp, adv, mask, self.algo, ref_logp, rows=rows, owned=cur.owned,
+                                    entropy=cur.entropy)
+            (loss * scale).backward()
             finalize_model_grads([self.ddp])
-            self._set_lr()
+            lr = warmup_lr(self.args["optim"], self.optim_steps)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
             _, grad_norm, _ = self.optimizer.step()
-            tw = tok * owned
-            totals += torch.stack([pg.detach(), kl.detach(), (t["clipped"] * tw).sum(), (t["ratio"] * tw).sum(),
-                                   (entropy * tw).sum(), torch.tensor(float(grad_norm or 0.0), device=dev)]).double()
-        # every token has one owner among DP x CP; TP ranks repeat the same numbers
+            self.optim_steps += 1
+            totals += torch.stack([*(stats[k] for k in LOSS_STATS), loss.detach(),
+                                   torch.tensor(float(grad_norm or 0.0), device=dev)]).double() / n
+        # every token has one owner among DP x CP; TP ranks repeat the same numbers; the grad norm
+        # is global already
         from megatron.core import parallel_state as ps
 
-        dist.all_reduce(totals[:5], group=ps.get_data_parallel_group(with_context_parallel=True))
+        dist.all_reduce(totals[:-1], group=ps.get_data_parallel_group(with_context_parallel=True))
         self.version += 1
-        n = self.algo.num_minibatches
-        pg, kl, clip, ratio, ent, gn = (totals / n).tolist()
-        return {"loss": pg + self.algo.kl_coef * kl, "pg_loss": pg, "kl_loss": kl, "clipfrac": clip,
-                "ratio_mean": ratio, "entropy": ent, "grad_norm": gn, "lr": self._lr(),
-                "advantage_abs_mean": float(adv.abs().mean())}
-
-    def _lr(self) -> float:
-        o = self.args["optim"]
-        warmup = max(1, int(o.get("warmup_steps", 0)))
-        return o["lr"] * min(1.0, (self.optim_steps + 1) / warmup)
-
-    def _set_lr(self) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = self._lr()
-        self.optim_steps += 1
+        out = dict(zip(LOSS_STATS + ("loss", "grad_norm"), totals.tolist()))
+        return {**out, "lr": lr, "advantage_abs_mean": float(adv.abs().mean())}
 
     # ---- weights -------------------------------------------------------------------------------
     def _hf_weights(self):
@@ -261,7 +238,7 @@ class MegatronActor(Actor):
         return WeightPayload.pack(named, self.version) if self.rank == 0 else None
 
     def write_readback(self, run_dir: str) -> str:
-        return self.evidence.write(run_dir)
+        return write_readback(run_dir, readback(self.ops, side="trainer", backend="megatron", rank=self.rank))
 
     def save(self, path: str) -> None:
         named = list(self._hf_weights())

@@ -4,13 +4,16 @@ vLLM calls `register()` in every one of its processes. It does nothing unless th
 engine asked for it by setting LOCKSTEP_VLLM_DETERMINISM (the run's determinism config as JSON),
 so installing lockstep never changes a plain vLLM user's model. When asked, it
 - registers `LockstepQwen3ForCausalLM` for the Qwen3ForCausalLM architecture (model registry);
-- when the rollout side runs lockstep attention, overrides the CPU_ATTN (and on CUDA FLASH_ATTN)
-  backend with `LockstepAttentionBackend` (attention backend registry).
+- when the rollout side runs lockstep attention, registers `LockstepAttentionBackend` as the
+  CUSTOM backend (which the engine selects on CUDA with attention_backend="CUSTOM") and as CPU_ATTN
+  (vLLM's CPU platform always takes that one).
 The sampler hook lives in the worker extension (worker.py), installed by the engine through
 `collective_rpc` after start-up.
 
 Internal hooks used (checked on the versions in TESTED_VLLM_VERSIONS): the CPU linear flag
-`_cpu_skip_gemm_dispatch`, `worker.model_runner.sampler`, `model_runner.reload_weights`.
+`_cpu_skip_gemm_dispatch` (0.32), `worker.model_runner.sampler` and `model_runner.reload_weights` of
+the V1 model runner (0.26 defaults to its V2 runner for dense models: the engine sets
+VLLM_USE_V2_MODEL_RUNNER=0), the attention backend interface (attention.py).
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ import json
 import os
 
 ENV = "LOCKSTEP_VLLM_DETERMINISM"
-TESTED_VLLM_VERSIONS = ("0.32.0",)
+ATTENTION_BACKEND = "lockstep.framework.rollout.vllm_plugin.attention.LockstepAttentionBackend"
+TESTED_VLLM_VERSIONS = ("0.26.0", "0.32.0")
 _registered = False
 
 
@@ -50,7 +54,6 @@ def register() -> None:
     if Selection.for_side(det, "rollout").attention:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-        path = "lockstep.framework.rollout.vllm_plugin.attention.LockstepAttentionBackend"
-        register_backend(AttentionBackendEnum.CPU_ATTN, path)
-        register_backend(AttentionBackendEnum.FLASH_ATTN, path)
+        for backend in (AttentionBackendEnum.CUSTOM, AttentionBackendEnum.CPU_ATTN):
+            register_backend(backend, ATTENTION_BACKEND)
     _registered = True

@@ -1,78 +1,168 @@
-"""Attention on vLLM's paged KV cache through `lockstep.kernels.paged_attention`.
+"""Lockstep attention on vLLM's paged KV cache: one backend for vLLM's CUDA and CPU builds.
 
-Subclasses vLLM's CPU backend for everything but the arithmetic (KV spec, block sizes, metadata
-builder): the cache write is an exact copy into [block, head, slot], and paged_attention reads each
-request's keys through its block table in the numerics of training, so a token attends exactly as
-in training (prefill, chunked prefill and decode alike).
+`LockstepAttentionBackend` borrows nothing from vLLM's kernels: its metadata builder hands the
+runner's own per-step tensors (query_start_loc, seq_lens, block table, slot mapping) to the
+implementation, which writes each new key/value into its [block, head, slot] and computes the
+attention with `lockstep.kernels.paged_attention` (the rollout ops' paged slot): the numerics of
+training, so a token attends exactly as the trainer computes it, in a prefill, a chunked prefill or
+a decode step alike.
+
+Capturable: no host synchronisation and no data-dependent shapes in the cache write or the kernel
+call (the maxima come from the metadata as Python ints), so vLLM's FULL_DECODE_ONLY CUDA graphs
+capture decode steps; prefills run between the compiled pieces (attention is a splitting op).
+
+KV cache, both vLLM versions: a per-layer [num_blocks, num_kv_heads, block_size, 2 * head_size]
+view (keys in [..., :D], values in [..., D:]); only the logical view is indexed, so any physical
+layout vLLM picks works. Version differences are in the classmethods marked below.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionMetadataBuilder,
+                                       AttentionType, CommonAttentionMetadata, MultipleOf)
 
-from lockstep.framework.rollout.vllm_plugin.evidence import get_evidence
-from lockstep.kernels import paged_attention
+from lockstep.framework.rollout.vllm_plugin.evidence import process_ops
+
+try:  # vLLM 0.32 (CPU CI); 0.26 has no KV-cache layout negotiation
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+except ImportError:  # pragma: no cover - vLLM 0.26
+    KVCacheLayout = None
 
 
-def _split_cache(kv_cache: torch.Tensor):
-    """[num_blocks, Hkv, block_size, 2*D] -> key, value caches [num_blocks, Hkv, block_size, D]."""
-    nb, hkv, bs, _ = kv_cache.shape
-    return kv_cache.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
+def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[nb, Hkv, bs, 2*D] -> key, value views [nb, Hkv, bs, D] (equal strides, last dim contiguous)."""
+    d = kv_cache.shape[-1] // 2
+    return kv_cache[..., :d], kv_cache[..., d:]
 
 
-class LockstepAttentionImpl(CPUAttentionBackendImpl):
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        key_cache, value_cache = _split_cache(kv_cache)
-        bs = key_cache.shape[2]
-        n = slot_mapping.shape[0]
-        valid = slot_mapping[:n] >= 0
-        slots = slot_mapping[:n][valid]
-        blocks, offsets = slots // bs, slots % bs
-        key_cache[blocks, :, offsets] = key[:n][valid].to(key_cache.dtype)
-        value_cache[blocks, :, offsets] = value[:n][valid].to(value_cache.dtype)
+@dataclass
+class LockstepAttentionMetadata:
+    num_actual_tokens: int  # query rows to compute (the padded count inside a FULL CUDA graph)
+    max_query_len: int  # upper bounds, as Python ints: they size the kernel grids without a sync
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [R+1] int32: the runner's persistent buffers, never copies (a
+    seq_lens: torch.Tensor  # [R] int32          CUDA graph replays whatever the runner wrote there)
+    block_table: torch.Tensor  # [R, max_pages] int32
+    slot_mapping: torch.Tensor  # [T] int64, -1 = padding
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):
-        if attn_metadata is None:  # profiling / warm-up
-            return output
-        evidence = get_evidence()
-        key_cache, value_cache = _split_cache(kv_cache)
-        out = output.view(output.shape[0], self.num_heads, self.head_size)
-        if not evidence.selection.attention:
-            self._stock_forward(evidence.ops.attention.attention, query, key_cache, value_cache, attn_metadata, out)
-            return output
-        # The attention op slot has causal_attention's signature (contiguous K/V); paged_attention
-        # reads the paged cache in place with the same numerics, so it is called directly and counted
-        # on that slot's counter, which is what the readback reports for attention.attention.
-        evidence.counter.calls["attention.attention"] += 1
+
+class LockstepAttentionMetadataBuilder(AttentionMetadataBuilder[LockstepAttentionMetadata]):
+    # Uniform single-token decode batches may be captured whole (FULL_DECODE_ONLY, FULL_AND_PIECEWISE)
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    reorder_batch_threshold: int | None = None  # any mix and order of prefills and decodes
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **kwargs):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.max_model_len = vllm_config.model_config.max_model_len
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> LockstepAttentionMetadata:
+        m = common_attn_metadata
+        if not (isinstance(m.causal, bool) and m.causal):
+            raise NotImplementedError("lockstep attention is causal decoder attention only")
+        return LockstepAttentionMetadata(m.num_actual_tokens, m.max_query_len, m.max_seq_len, m.query_start_loc,
+                                         m.seq_lens, m.block_table_tensor, m.slot_mapping)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> LockstepAttentionMetadata:
+        md = self.build(0, common_attn_metadata)
+        md.max_seq_len = max(md.max_seq_len, self.max_model_len)  # the graph serves every length
+        return md
+
+
+class LockstepAttentionImpl(AttentionImpl[LockstepAttentionMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 **extra_impl_args) -> None:
+        unsupported = {"alibi slopes": alibi_slopes is not None, "a sliding window": sliding_window is not None,
+                       "a logits soft cap": bool(logits_soft_cap), "attention sinks": extra_impl_args.get("sinks") is not None,
+                       f"attn_type {attn_type}": attn_type != AttentionType.DECODER,
+                       f"kv_cache_dtype {kv_cache_dtype}": kv_cache_dtype not in ("auto", "float16", "bfloat16", "float32")}
+        if any(unsupported.values()):
+            raise NotImplementedError(f"lockstep attention does not support {', '.join(k for k, v in unsupported.items() if v)}")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype, self.attn_type = kv_cache_dtype, attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        """key/value [T, Hkv, D] into their slots (slot = block * block_size + offset; -1 = a padding
+        row). An exact copy. Padding rows go to slot 0 of block 0 (vLLM's null block) and write back
+        what is there, so the update has no data-dependent shape and no host sync."""
+        if kv_cache.numel() == 0:  # a placeholder before the cache is bound
+            return
+        k_cache, v_cache = split_kv_cache(kv_cache)
+        bs = k_cache.shape[2]
+        n = min(slot_mapping.shape[0], key.shape[0])
+        slots = slot_mapping[:n].long()
+        valid = (slots >= 0)[:, None, None]
+        safe = slots.clamp_min(0)
+        block, offset = safe // bs, safe % bs
+        k_cache[block, :, offset] = torch.where(valid, key[:n].to(k_cache.dtype), k_cache[block, :, offset])
+        v_cache[block, :, offset] = torch.where(valid, value[:n].to(v_cache.dtype), v_cache[block, :, offset])
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: LockstepAttentionMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """query [T, H, D]; output [T, H, D], allocated by vLLM's Attention layer at the padded token
+        count, written in place. attn_metadata is None in the memory-profiling run and in warm-ups."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("lockstep attention does not fuse output quantization")
+        if attn_metadata is None:
+            return output.fill_(0)
         n = attn_metadata.num_actual_tokens
-        q = query[:n].view(n, self.num_heads, self.head_size)
-        out[:n] = paged_attention(q, key_cache, value_cache, attn_metadata.block_table, attn_metadata.seq_lens,
-                                  attn_metadata.query_start_loc, self.scale, attn_metadata.max_query_len,
-                                  attn_metadata.max_seq_len).to(out.dtype)
+        k_cache, v_cache = split_kv_cache(kv_cache)
+        paged_attention = process_ops()[0].attention.paged_attention
+        out = paged_attention(query[:n], k_cache, v_cache, attn_metadata.block_table, attn_metadata.seq_lens,
+                              attn_metadata.query_start_loc, self.scale, attn_metadata.max_query_len,
+                              attn_metadata.max_seq_len)
+        output[:n].copy_(out.view(n, *output.shape[1:]))
         return output
 
-    def _stock_forward(self, attention, query, key_cache, value_cache, attn_metadata, out) -> None:
-        """The P (stock) route: each request's keys gathered in position order for the op slot.
-        The plugin registers this backend only when rollout attention is R, so this is a fallback."""
-        bs = key_cache.shape[2]
-        starts = attn_metadata.query_start_loc.tolist()
-        seq_lens = attn_metadata.seq_lens.tolist()
-        for r, seq_len in enumerate(seq_lens):
-            lo, hi = starts[r], starts[r + 1]
-            if hi == lo:
-                continue
-            n_blocks = -(-seq_len // bs)
-            blocks = attn_metadata.block_table[r, :n_blocks].long()
-            k = key_cache[blocks].permute(0, 2, 1, 3).reshape(n_blocks * bs, self.num_kv_heads, -1)[:seq_len]
-            v = value_cache[blocks].permute(0, 2, 1, 3).reshape(n_blocks * bs, self.num_kv_heads, -1)[:seq_len]
-            q = query[lo:hi].view(hi - lo, self.num_heads, self.head_size)
-            q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
-            res = attention(q[None], k[None], v[None], q_pos[None], self.scale)[0]
-            out[lo:hi] = res.to(out.dtype)
 
+class LockstepAttentionBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = False  # vLLM calls do_kv_cache_update first
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16", "float32"]
 
-class LockstepAttentionBackend(CPUAttentionBackend):
     @staticmethod
-    def get_impl_cls():
+    def get_name() -> str:
+        return "CUSTOM"  # vLLM looks the name up in AttentionBackendEnum
+
+    @staticmethod
+    def get_impl_cls() -> type[LockstepAttentionImpl]:
         return LockstepAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[LockstepAttentionMetadataBuilder]:
+        return LockstepAttentionMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]  # vLLM 0.26 calls this without arguments, 0.32 with the spec
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, 2 * head_size)  # vLLM 0.26 allocates this
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):  # vLLM 0.32 negotiates a physical layout
+        return None if KVCacheLayout is None else (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC)
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size >= 16 and head_size & (head_size - 1) == 0  # the Triton kernel's rule
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return True

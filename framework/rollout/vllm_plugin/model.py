@@ -1,57 +1,38 @@
-"""vLLM's Qwen3 with the modules the rollout side runs as lockstep (R) routed through
-`lockstep.kernels`, and the sampled rows' hidden states kept for the logprob replacement.
+"""The vLLM adapter of the Qwen3 layer: vLLM's parameters and weight loading, lockstep's math.
 
-Parameter names and weight loading stay vLLM's (a subclass of its Qwen3ForCausalLM). For every R
-module the fused vLLM weights are split back into the trainer's shapes (q/k/v, gate/up) so that
-each GEMM sees exactly the shapes the trainer's GEMMs see. P modules stay vLLM's own CPU/GPU path.
+`LockstepQwen3ForCausalLM` subclasses vLLM's Qwen3ForCausalLM, so parameter names, the fused
+qkv/gate_up weights and `load_weights` stay vLLM's. When the rollout side runs any module as
+lockstep (R), every decoder layer is replaced by a `LockstepDecoderLayer` module that keeps vLLM's
+submodules (same attribute paths, so the same parameters and the same registered Attention layer)
+and computes the layer with the shared definition (framework/models/layer.py): the fused weights
+enter as row views (q/k/v, gate/up), so each GEMM sees exactly the trainer's shapes, and vLLM's
+Attention layer is the attention core (lockstep's paged backend when attention is R, vLLM's own
+backend when it is P). The final norm is a module of the same kind. They are plain modules whose
+ops are lockstep custom ops with fake implementations, so vLLM's torch.compile trace and its CUDA
+graphs capture them as they are.
+
+With every rollout module P (determinism.mode=off, or a P/x case), vLLM's own model runs unchanged.
 """
 from __future__ import annotations
 
-from functools import partial
-
 import torch
+from torch import nn
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
-import lockstep.kernels as K
-from lockstep.framework.consistency.readback import ProcessEvidence
-from lockstep.framework.models.ops import AttentionOps, FFNOps
+from lockstep.framework.models.layer import AttentionWeights, LayerGeometry, MLPWeights, decoder_layer
+from lockstep.framework.models.ops import ModelOps, ops_for_side
 from lockstep.framework.rollout.vllm_plugin import plugin_determinism
-from lockstep.framework.rollout.vllm_plugin.evidence import set_evidence
+from lockstep.framework.rollout.vllm_plugin.evidence import set_process_ops
 
 
-def _keep_weights(module: torch.nn.Module) -> None:
+def _keep_weights(module: nn.Module) -> None:
     """vLLM's CPU build packs linear weights into oneDNN handles and empties `weight`; lockstep
-    kernels read `weight`, so R modules opt out (the flag vLLM itself uses for MLA's kv_b_proj)."""
+    kernels read `weight`, so lockstep layers opt out (the flag vLLM itself uses for MLA's kv_b_proj)."""
     for m in module.modules():
         if isinstance(m, LinearBase):
             m._cpu_skip_gemm_dispatch = True
-
-
-def _norm_forward(norm, rms_norm, x, residual=None):
-    eps = norm.variance_epsilon
-    if residual is None:
-        return rms_norm(x, norm.weight, eps)
-    summed = x + residual
-    return rms_norm(summed, norm.weight, eps), summed
-
-
-def _attention_forward(attn, ops: AttentionOps, theta: float, positions, hidden_states):
-    t, d = hidden_states.shape[0], attn.head_dim
-    wq, wk, wv = attn.qkv_proj.weight.split([attn.q_size, attn.kv_size, attn.kv_size], 0)
-    q = ops.rms_norm(ops.linear(hidden_states, wq).view(t, -1, d), attn.q_norm.weight, attn.q_norm.variance_epsilon)
-    k = ops.rms_norm(ops.linear(hidden_states, wk).view(t, -1, d), attn.k_norm.weight, attn.k_norm.variance_epsilon)
-    v = ops.linear(hidden_states, wv)
-    cos, sin = K.rope_cos_sin(positions, d, theta)
-    q, k = K.apply_rope(q, cos, sin), K.apply_rope(k, cos, sin)
-    out = attn.attn(q.reshape(t, -1), k.reshape(t, -1), v)
-    return ops.linear(out.reshape(t, -1), attn.o_proj.weight)
-
-
-def _mlp_forward(mlp, ops: FFNOps, x):
-    gate_w, up_w = mlp.gate_up_proj.weight.chunk(2, 0)
-    return ops.linear(ops.silu_mul(ops.linear(x, gate_w), ops.linear(x, up_w)), mlp.down_proj.weight)
 
 
 def rope_theta(config) -> float:
@@ -63,32 +44,74 @@ def rope_theta(config) -> float:
     return float(theta)
 
 
+class LockstepDecoderLayer(nn.Module):
+    """One vLLM Qwen3 decoder layer's submodules, computed by models/layer.py's decoder_layer."""
+
+    def __init__(self, layer: nn.Module, ops: ModelOps, theta: float):
+        super().__init__()
+        self.self_attn, self.mlp = layer.self_attn, layer.mlp
+        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.ops, self.theta = ops, theta
+        self.geometry = LayerGeometry(layer.self_attn.head_dim, layer.input_layernorm.variance_epsilon)
+        _keep_weights(self)
+
+    def weights(self) -> tuple[AttentionWeights, MLPWeights]:
+        """Row views of the fused weights (slicing: Dynamo cannot trace the Python-level
+        Tensor.split/chunk on vLLM's parameter subclasses)."""
+        a, m = self.self_attn, self.mlp
+        qkv, gate_up = a.qkv_proj.weight, m.gate_up_proj.weight
+        q, k, v = qkv[:a.q_size], qkv[a.q_size:a.q_size + a.kv_size], qkv[a.q_size + a.kv_size:]
+        half = gate_up.shape[0] // 2
+        gate, up = gate_up[:half], gate_up[half:]
+        return (AttentionWeights(self.input_layernorm.weight, q, k, v, a.q_norm.weight, a.k_norm.weight,
+                                 a.o_proj.weight),
+                MLPWeights(self.post_attention_layernorm.weight, gate, up, m.down_proj.weight))
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
+        """vLLM's decoder-layer call: returns (hidden_states, residual) with the residual stream
+        already added in (None), which the next layer and the final norm accept."""
+        x = hidden_states if residual is None else hidden_states + residual
+        d, attn = self.geometry.head_dim, self.self_attn.attn
+        cos, sin = self.ops.attention.rope_cos_sin(positions, d, self.theta)
+
+        def core(q, k, v):  # vLLM's Attention layer takes and returns [T, heads * d]
+            return attn(q.flatten(-2), k.flatten(-2), v.flatten(-2)).unflatten(-1, (-1, d))
+
+        return decoder_layer(x, *self.weights(), self.ops, cos, sin, core, self.geometry), None
+
+
+class LockstepFinalNorm(nn.Module):
+    """vLLM's final RMSNorm weight, normed by the logp module's rms_norm; called as vLLM calls
+    its norm: (hidden_states, residual) -> (normed, residual stream)."""
+
+    def __init__(self, norm: nn.Module, ops: ModelOps):
+        super().__init__()
+        self.weight, self.eps, self.ops = norm.weight, norm.variance_epsilon, ops
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
+        x = hidden_states if residual is None else hidden_states + residual
+        return self.ops.logp.rms_norm(x, self.weight, self.eps), x
+
+
 class LockstepQwen3ForCausalLM(Qwen3ForCausalLM):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         det = plugin_determinism()
         if det is None:
             raise RuntimeError("LockstepQwen3ForCausalLM built without the lockstep vLLM engine")
-        self.evidence = ProcessEvidence(det, "rollout", "vllm", rank=get_tensor_model_parallel_rank())
-        set_evidence(self.evidence)
-        ops, sel = self.evidence.ops, self.evidence.selection
-        if get_tensor_model_parallel_world_size() > 1 and (sel.attention or sel.ffn or sel.logp):
+        self.lockstep_ops = ops = ops_for_side(det, "rollout")
+        self.lockstep_rank = get_tensor_model_parallel_rank()
+        set_process_ops(ops, self.lockstep_rank)
+        if get_tensor_model_parallel_world_size() > 1 and ops.selection.any:
             raise NotImplementedError("lockstep kernels inside vLLM need tensor_parallel_size=1: a sharded "
                                       "R module needs lockstep's fixed-order TP reduction, not NCCL's")
         self.real_vocab_size = int(getattr(self.config, "lockstep_real_vocab_size", self.config.vocab_size))
-        theta = rope_theta(self.config)
-        for layer in self.model.layers:
-            if sel.attention:
-                _keep_weights(layer.self_attn)
-                layer.self_attn.forward = partial(_attention_forward, layer.self_attn, ops.attention, theta)
-                layer.input_layernorm.forward = partial(_norm_forward, layer.input_layernorm, ops.attention.rms_norm)
-            if sel.ffn:
-                _keep_weights(layer.mlp)
-                layer.mlp.forward = partial(_mlp_forward, layer.mlp, ops.ffn)
-                layer.post_attention_layernorm.forward = partial(_norm_forward, layer.post_attention_layernorm,
-                                                                 ops.ffn.rms_norm)
-        if sel.logp:
-            self.model.norm.forward = partial(_norm_forward, self.model.norm, ops.logp.rms_norm)
+        if ops.selection.attention or ops.selection.ffn:
+            theta = rope_theta(self.config)
+            for i, layer in enumerate(self.model.layers):
+                self.model.layers[i] = LockstepDecoderLayer(layer, ops, theta)
+        if ops.selection.any:
+            self.model.norm = LockstepFinalNorm(self.model.norm, ops)
         self.lockstep_hidden: torch.Tensor | None = None
 
     @property
@@ -97,16 +120,16 @@ class LockstepQwen3ForCausalLM(Qwen3ForCausalLM):
         return self.lm_head.weight[: self.config.vocab_size]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits for sampling, in plain ops from the current LM-head weight (vLLM's CPU head keeps
-        a handle packed at load time that a weight reload does not refresh). The rows are the
-        sampled positions: kept for the sampler's logprob replacement."""
+        """Logits for sampling, in the logp module's ops from the current LM-head weight (vLLM's
+        CPU head keeps a handle packed at load time that a weight reload does not refresh). The rows
+        are the sampled positions: kept for the sampler's logprob replacement."""
         self.lockstep_hidden = hidden_states
-        logits = self.evidence.ops.logp.linear(hidden_states, self.lockstep_lm_head_weight).float()
+        logits = self.lockstep_ops.logp.linear(hidden_states, self.lockstep_lm_head_weight).float()
         logits[:, self.real_vocab_size:] = float("-inf")
         return logits
 
     def token_logp(self, hidden, targets, *, temperature=None, support_ids=None):
-        return self.evidence.ops.logp.linear_logp(hidden, self.lockstep_lm_head_weight, targets,
+        return self.lockstep_ops.logp.linear_logp(hidden, self.lockstep_lm_head_weight, targets,
                                                   temperature=temperature, real_vocab_size=self.real_vocab_size,
                                                   support_ids=support_ids)
 
@@ -117,7 +140,8 @@ class LockstepQwen3ForCausalLM(Qwen3ForCausalLM):
         out["model.embed_tokens.weight"] = self.model.embed_tokens.weight[:v]
         for i, layer in enumerate(self.model.layers):
             p, a, m = f"model.layers.{i}.", layer.self_attn, layer.mlp
-            if a.qkv_proj.weight.numel() == 0 or m.gate_up_proj.weight.numel() == 0:
+            fused = (a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight)
+            if any(w.numel() == 0 for w in fused):
                 return None
             for name, w in zip(("q_proj", "k_proj", "v_proj"), a.qkv_proj.weight.split([a.q_size, a.kv_size, a.kv_size])):
                 out[f"{p}self_attn.{name}.weight"] = w
@@ -129,8 +153,6 @@ class LockstepQwen3ForCausalLM(Qwen3ForCausalLM):
             out[f"{p}mlp.down_proj.weight"] = m.down_proj.weight
             out[f"{p}input_layernorm.weight"] = layer.input_layernorm.weight
             out[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-            if out[f"{p}self_attn.o_proj.weight"].numel() == 0 or out[f"{p}mlp.down_proj.weight"].numel() == 0:
-                return None
         out["model.norm.weight"] = self.model.norm.weight
         if not self.config.tie_word_embeddings:
             out["lm_head.weight"] = self.lockstep_lm_head_weight

@@ -7,7 +7,10 @@ import torch
 from safetensors.torch import load_file
 from vllm.v1.sample.sampler import Sampler
 
-from lockstep.framework.rollout.vllm_plugin.evidence import get_evidence
+from lockstep.framework.consistency.readback import readback
+from lockstep.framework.rollout.faults import faulty_logp
+from lockstep.framework.rollout.vllm_plugin import plugin_determinism
+from lockstep.framework.rollout.vllm_plugin.evidence import process_ops
 from lockstep.framework.weights.sync import checksum
 
 
@@ -32,9 +35,9 @@ class LockstepSampler(Sampler):
     """vLLM's sampler, unchanged, followed by the lockstep logprob of each sampled token
     (when the logp module is R) written into every column that holds the sampled token."""
 
-    def __init__(self, base: Sampler, model):
+    def __init__(self, base: Sampler, model, fault: str = "none"):
         super().__init__(logprobs_mode=base.logprobs_mode, use_fp64_gumbel=base.use_fp64_gumbel)
-        self.lockstep_model = model
+        self.lockstep_model, self.fault = model, fault
 
     def forward(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
         if predict_bonus_token:
@@ -44,7 +47,7 @@ class LockstepSampler(Sampler):
         if lt is None:  # no logprobs requested (vLLM's profiling batch among them)
             return out
         model = self.lockstep_model
-        if not get_evidence().selection.logp:
+        if not model.lockstep_ops.selection.logp and self.fault == "none":
             return out  # P: vLLM's own processed logprob stands
         sampled = out.sampled_token_ids[:, 0].long()
         temperature, support = None, None
@@ -52,12 +55,14 @@ class LockstepSampler(Sampler):
             if not sampling_metadata.all_random:
                 raise RuntimeError("a batch mixing greedy and sampled requests is not supported by lockstep")
             temperature = sampling_metadata.temperature.float()
-            restricted = ((sampling_metadata.top_p is not None and bool((sampling_metadata.top_p < 1).any()))
-                          or (sampling_metadata.top_k is not None
-                              and bool((sampling_metadata.top_k < model.real_vocab_size).any())))
-            if restricted:
+            # vLLM leaves top_p / top_k None when no request of the batch restricts its support
+            if sampling_metadata.top_p is not None or sampling_metadata.top_k is not None:
                 support = support_from_logprobs(lt.logprob_token_ids.long(), lt.logprobs, model.real_vocab_size)
-        logp = model.token_logp(model.lockstep_hidden, sampled, temperature=temperature, support_ids=support).logp
+        if self.fault != "none":
+            logp = faulty_logp(self.fault, model.lockstep_hidden, model.lockstep_lm_head_weight, sampled,
+                               temperature=temperature, real_vocab_size=model.real_vocab_size, support_ids=support)
+        else:
+            logp = model.token_logp(model.lockstep_hidden, sampled, temperature=temperature, support_ids=support).logp
         holds = lt.logprob_token_ids.long() == sampled[:, None]
         lt.logprobs[holds] = logp[:, None].expand_as(holds)[holds].to(lt.logprobs.dtype)
         return out
@@ -68,7 +73,8 @@ class LockstepWorkerExtension:
 
     def lockstep_install(self) -> dict:
         runner = self.model_runner
-        runner.sampler = LockstepSampler(runner.sampler, runner.get_model())
+        fault = (plugin_determinism() or {}).get("inject_fault", "none")
+        runner.sampler = LockstepSampler(runner.sampler, runner.get_model(), fault)
         return {"logprobs_mode": runner.sampler.logprobs_mode}
 
     def lockstep_load_weights(self, path: str) -> str | None:
@@ -80,4 +86,8 @@ class LockstepWorkerExtension:
         return None if hf is None else checksum(hf.items())
 
     def lockstep_readback(self) -> dict:
-        return get_evidence().readback()
+        ops, rank = process_ops()
+        compiled = not self.model_runner.vllm_config.model_config.enforce_eager
+        # Inside vLLM's compiled forward (and its CUDA graphs) Python does not run per call: the
+        # counts of the decoder's ops are those of the trace and of eager prefills, not per step.
+        return readback(ops, side="rollout", backend="vllm", rank=rank, extra={"compiled_forward": compiled})

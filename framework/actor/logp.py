@@ -1,0 +1,55 @@
+"""Teacher-forced logprobs of a rollout's response tokens, for every actor backend.
+
+An actor runs the forward of some samples (each from position 0) to their final hidden states;
+`score_samples` then scores each response token with the side's logp op on the hidden state that
+predicted it, with the rollout's temperature and top-p/top-k support: exactly the call the rollout
+engine made, on exactly the same rows. The results land in [B, R] tensors over the whole batch
+(`BatchLogp`), with a mask of the tokens this worker scored.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from lockstep.framework.rollout.base import Rollout
+
+
+class BatchLogp:
+    """[B, R] logprobs (and entropies) of the tokens one worker scored, `owned` marking which."""
+
+    def __init__(self, rollout: Rollout, device, with_entropy: bool):
+        shape = rollout.logp.shape
+        self.logp = torch.zeros(shape, device=device)
+        self.entropy = torch.zeros(shape, device=device) if with_entropy else None
+        self.owned = torch.zeros(shape, dtype=torch.bool, device=device)
+
+    def add(self, samples: torch.Tensor, positions: torch.Tensor, out) -> None:
+        self.logp = self.logp.index_put((samples, positions), out.logp)
+        self.owned = self.owned.index_put((samples, positions), torch.ones_like(positions, dtype=torch.bool))
+        if self.entropy is not None:
+            self.entropy = self.entropy.index_put((samples, positions), out.entropy.detach())
+
+
+def score_samples(into: BatchLogp, hidden: torch.Tensor, rollout: Rollout, samples: torch.Tensor,
+                  token_logp: Callable, *, cp_rank: int = 0, cp: int = 1) -> None:
+    """hidden [b, s, h]: the final hidden states of rollout samples `samples` (row i = sample
+    samples[i], its tokens from position 0). token_logp(hidden [n, h], targets [n], *, temperature,
+    support_ids): the side's logp op (a vocab shard's included). With cp > 1 this worker scores
+    only the response tokens it owns: every cp-th one of the rows, from cp_rank."""
+    dev = hidden.device
+    mask = rollout.response_mask()[samples].to(dev)
+    bi, ri = mask.nonzero(as_tuple=True)
+    if cp > 1:
+        mine = (torch.arange(bi.numel(), device=dev) % cp) == cp_rank
+        bi, ri = bi[mine], ri[mine]
+    src = rollout.prompt_lens[samples].to(dev)[bi] + ri - 1  # the state at src predicts the token at src + 1
+    targets = rollout.tokens[samples].to(dev)[bi, src + 1]
+    support = rollout.support_ids[samples].to(dev)[bi, ri] if rollout.support_ids is not None else None
+    out = token_logp(hidden[bi, src], targets, temperature=rollout.sampling.logp_temperature, support_ids=support)
+    into.add(samples.to(dev)[bi], ri, out)
+
+
+def warmup_lr(optim: dict, step: int) -> float:
+    """The learning rate of optimizer step `step` (0-based): linear warm-up over optim.warmup_steps."""
+    return optim["lr"] * min(1.0, (step + 1) / max(1, int(optim.get("warmup_steps", 0))))
