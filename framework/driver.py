@@ -5,6 +5,7 @@ strict mode any mismatch stops the run there.
 """
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,15 +18,17 @@ from lockstep.framework import settings
 from lockstep.framework.consistency.compare import compare_logp, raise_on_mismatch
 from lockstep.framework.data.dataset import PromptSampler, load_records
 from lockstep.framework.data.rewards import get_reward_fn
-from lockstep.framework.data.tokenizer import TOKENIZER_FILE, tokenizer_for
+from lockstep.framework.data.tokenizer import tokenizer_for
 from lockstep.framework.placement import Resources, placed
 from lockstep.framework.rollout.base import SamplingParams
 from lockstep.framework.rollout.sampling import sample_seed
 from lockstep.framework.summary import RunSummary
 from lockstep.framework.tracking.tracker import Tracker
+from lockstep.framework.weights.sync import sync_weights
 from lockstep.framework.workers import actor_world_size, spawn_actor, spawn_rollouts
 
 RESOLVED_CONFIG = "config.yaml"
+log = logging.getLogger("lockstep")
 
 
 class PhaseTimer(dict):
@@ -48,14 +51,20 @@ def ray_cluster():
             ray.shutdown()
 
 
-def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
+def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep", overrides: tuple[str, ...] = ()) -> RunSummary:
+    """One run of the RL loop. overrides: the command line's key=value overrides (an explicit model
+    shape that contradicts model.init_from's config.json is an error; a model group's default is not)."""
     settings.validate(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / RESOLVED_CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    records = load_records(cfg.data.path, cfg.data.prompt_key, cfg.data.label_key)
-    tokenizer = tokenizer_for([r.prompt + r.label for r in records], cfg.model.init_from)
-    tokenizer.save(run_dir / TOKENIZER_FILE)
-    model_config = settings.model_config(cfg, tokenizer.vocab_size)
+    data = load_records(cfg.data.path, cfg.data.prompt_key, cfg.data.label_key, cfg.data.skip_bad_rows)
+    if data.skipped:
+        log.warning("%s: skipped %d bad row(s) (data.skip_bad_rows=true); the first: %s", data.path,
+                    len(data.skipped), data.skipped[0])
+    records = data.records
+    tokenizer = tokenizer_for([r.text() + r.label for r in records], cfg.model.init_from)
+    tokenizer.save(run_dir / "tokenizer")
+    model_config = settings.model_config(cfg, tokenizer.vocab_size, overrides)
     reward_fn = get_reward_fn(cfg.data.reward)
     prompts = PromptSampler(records, cfg.seed, cfg.data.shuffle)
     sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k,
@@ -67,8 +76,8 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
                                cfg.parallel.colocate, cfg.rollout.num_engines, actor_world_size(cfg)) as placement:
         actor = spawn_actor(cfg, placement, model_config, tokenizer)
         engines = spawn_rollouts(cfg, placement, model_config, tokenizer)
-        engines.update_weights(actor.weights_for_sync())  # version 0
-        actor.wait_sync()
+        gpu = Colocation(actor, engines, cfg)
+        gpu.sync(PhaseTimer())  # version 0
         tracker = Tracker(run_dir, OmegaConf.to_container(cfg.logger, resolve=True),
                           OmegaConf.to_container(cfg, resolve=True), cfg.trainer.steps, name)
         try:
@@ -77,13 +86,13 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
                 batch = prompts.next_batch(cfg.rollout.prompts_per_step)
                 seeds = [[sample_seed(cfg.seed, step, r.index, j) for j in range(cfg.rollout.n_samples)] for r in batch]
                 with timer("rollout"):
-                    rollout = engines.generate([tokenizer.encode(r.prompt) for r in batch], sampling, seeds)
-                    if cfg.parallel.colocate:  # the GPU goes to the actor until the next weight sync
-                        engines.sleep()
+                    rollout = engines.generate([tokenizer.encode_prompt(r.messages() or r.prompt) for r in batch],
+                                               sampling, seeds)
+                gpu.to_actor(timer)
                 with timer("reward"):
                     group = torch.arange(len(batch)).repeat_interleave(cfg.rollout.n_samples)
                     texts = [tokenizer.decode(rollout.tokens[b, rollout.prompt_lens[b]:].tolist()) for b in range(rollout.batch_size)]
-                    rewards = torch.tensor([reward_fn(batch[g].prompt, t, batch[g].label) for g, t in zip(group.tolist(), texts)])
+                    rewards = torch.tensor([reward_fn(batch[g].text(), t, batch[g].label) for g, t in zip(group.tolist(), texts)])
                 with timer("logp"):
                     recomputed = actor.compute_logp(rollout)
                 report = compare_logp(rollout.logp, recomputed.logp, rollout.response_mask(),
@@ -95,19 +104,14 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
                     raise_on_mismatch(report, step)
                 with timer("train"):
                     train_metrics = actor.train(rollout, rewards, group, recomputed.logp)
-                with timer("weight_sync"):
-                    if cfg.parallel.colocate:
-                        engines.wake()
-                    sync_timings = engines.update_weights(actor.weights_for_sync())
-                    actor.wait_sync()
+                gpu.sync(timer)
                 timer["perf/step_s"] = time.perf_counter() - t_step
-                metrics.update({f"train/{k}": v for k, v in train_metrics.items()}, **timer,
-                               **{f"perf/weight_{k}": v for k, v in sync_timings.items()})
+                metrics.update({f"train/{k}": v for k, v in train_metrics.items()}, **timer)
                 tracker.log_step(step, metrics, worst_rows(report, tokenizer))
                 summary.add(step, metrics)
             if cfg.trainer.save_final:
                 actor.save(str(run_dir / "checkpoint"))
-                tokenizer.save(run_dir / "checkpoint" / TOKENIZER_FILE)
+                tokenizer.save(run_dir / "checkpoint")
             summary.finish("completed")
         except BaseException as e:
             summary.finish("failed", error=f"{type(e).__name__}: {e}")
@@ -118,6 +122,50 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep") -> RunSummary:
             actor.write_readbacks(str(run_dir))
             engines.write_readbacks(str(run_dir))
     return summary
+
+
+class Colocation:
+    """Who holds the GPU when. Colocated runs time-share it: the engines generate while the actor is
+    offloaded (parameters, gradients, optimizer state on the host: actor.offload); after the
+    rollout the engines sleep (KV cache freed, weights released) and the actor reloads to score and
+    train; the weight sync wakes the engines' weights, streams the new ones into them, offloads the
+    actor and only then wakes the KV cache. Each phase's GPU memory is logged on a GPU:
+    perf/mem_used_gib/<phase> (the device, all processes, at the phase's end) and
+    perf/peak_mem_gib/<phase> (the peak allocation of the process that ran it)."""
+
+    def __init__(self, actor, engines, cfg: DictConfig):
+        self.actor, self.engines = actor, engines
+        self.colocated = bool(cfg.parallel.colocate)
+        offload = cfg.actor.offload
+        self.offload = self.colocated and cfg.parallel.device == "cuda" if offload == "auto" else bool(offload)
+
+    def _memory(self, timer: "PhaseTimer", phase: str, worker) -> None:
+        for k, v in worker.memory().items():
+            timer[f"perf/{'mem_used' if k == 'used_gib' else 'peak_mem'}_gib/{phase}"] = v
+
+    def to_actor(self, timer: "PhaseTimer") -> None:
+        self._memory(timer, "rollout", self.engines)
+        if self.colocated:
+            with timer("engine_sleep"):
+                self.engines.sleep()
+        if self.offload:
+            with timer("actor_reload"):
+                self.actor.reload()
+
+    def sync(self, timer: "PhaseTimer") -> None:
+        self._memory(timer, "train", self.actor)
+        with timer("weight_sync"):
+            if self.colocated:
+                self.engines.wake("weights")
+            parts = sync_weights(self.actor, self.engines.receive_bucket)
+        timer.update({f"perf/weight_{k}": v for k, v in parts.items()})
+        if self.offload:
+            with timer("actor_offload"):
+                timer.update({f"perf/actor_{k}": v for k, v in self.actor.offload().items()})
+        if self.colocated:
+            with timer("engine_wake"):
+                self.engines.wake("kv_cache")
+        self._memory(timer, "weight_sync", self.actor)
 
 
 def rollout_metrics(rollout, rewards: torch.Tensor, timer: PhaseTimer) -> dict:
@@ -131,7 +179,7 @@ def rollout_metrics(rollout, rewards: torch.Tensor, timer: PhaseTimer) -> dict:
 
 def worst_rows(report, tokenizer) -> list[dict]:
     return [{"sample": t.sample, "position": t.position, "token_id": t.token,
-             "token": tokenizer.vocab[t.token], "rollout_logp": t.rollout_logp,
+             "token": tokenizer.token(t.token), "rollout_logp": t.rollout_logp,
              "train_logp": t.train_logp, "abs_diff": t.abs_diff} for t in report.worst]
 
 

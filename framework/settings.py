@@ -2,7 +2,6 @@
 valid choices, and the derived values (model shape from the tokenizer) both workers need."""
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,6 +27,9 @@ def validate(cfg: DictConfig) -> None:
     from lockstep.framework.rollout.faults import FAULTS
 
     det = cfg.determinism
+    if (cfg.get("recipe") or {}).get("needs_checkpoint") and not cfg.model.init_from:
+        raise ConfigError("this recipe starts from a checkpoint: set model.init_from=DIR (an HF Qwen3 directory; "
+                          "`lockstep init-model --like <model> --out DIR` writes a random-init one)")
     _choice(det.mode, MODES, "determinism.mode")
     _choice(det.case, CASES, "determinism.case")
     for module in ("attention", "ffn", "logp"):
@@ -44,6 +46,15 @@ def validate(cfg: DictConfig) -> None:
         if cfg.parallel[key] != 1 and cfg.actor.backend == "native":
             raise ConfigError(f"parallel.{key}={cfg.parallel[key]}: the native actor runs unsharded "
                               f"(parallel.{key}=1)")
+    from lockstep.framework.weights.transport import TRANSPORTS, choose
+
+    _choice(cfg.weights.transport, TRANSPORTS, "weights.transport")
+    try:
+        choose(cfg.weights.transport, cfg.parallel.device, cfg.parallel.colocate)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not cfg.weights.bucket_mb > 0:
+        raise ConfigError(f"weights.bucket_mb must be > 0, got {cfg.weights.bucket_mb}")
     if cfg.rollout.num_engines < 1:
         raise ConfigError(f"rollout.num_engines must be >= 1, got {cfg.rollout.num_engines}")
     if cfg.rollout.backend == "vllm":
@@ -57,23 +68,42 @@ def validate(cfg: DictConfig) -> None:
                           f"each prompt's group, so it needs n_samples >= 2")
 
 
-def model_config(cfg: DictConfig, tokenizer_vocab: int) -> dict:
-    """The Qwen3Config fields for this run; vocab_size=auto pads the tokenizer's vocab."""
-    m = OmegaConf.to_container(cfg.model, resolve=True)
-    if m["init_from"]:  # the checkpoint's own config.json defines the shape
-        from lockstep.framework.models.qwen3 import CONFIG_FILE, Qwen3Config
+def _explicit_model_keys(overrides) -> set[str]:
+    keys = set()
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key.startswith("model."):
+            keys.add(key[len("model."):])
+    return keys
 
-        path = Path(m["init_from"]) / CONFIG_FILE
-        if not path.exists():
-            raise ConfigError(f"model.init_from={m['init_from']!r} has no {CONFIG_FILE}")
-        shape = asdict(Qwen3Config.from_hf(json.loads(path.read_text())))
+
+def model_config(cfg: DictConfig, tokenizer_vocab: int, overrides=()) -> dict:
+    """The Qwen3Config fields for this run. From a checkpoint (model.init_from) its config.json
+    defines the shape (over the model group's defaults); a shape given on the command line that
+    contradicts it is an error naming both. Else the group's shape, vocab_size=auto padding the
+    tokenizer's vocab."""
+    from lockstep.framework.models.hf import CheckpointError
+    from lockstep.framework.models.qwen3 import SHAPE_KEYS, Qwen3Config
+
+    m = OmegaConf.to_container(cfg.model, resolve=True)
+    if m["init_from"]:
+        try:
+            shape = asdict(Qwen3Config.from_dir(m["init_from"]))
+        except CheckpointError as e:
+            raise ConfigError(f"model.init_from: {e}") from None
+        conflicts = [f"model.{k}={m[k]!r} (command line) vs {k}={shape[k]!r} in {Path(m['init_from']) / 'config.json'}"
+                     for k in sorted(_explicit_model_keys(overrides) & set(SHAPE_KEYS))
+                     if m.get(k) is not None and m[k] != "auto" and m[k] != shape[k]]
+        if conflicts:
+            raise ConfigError("the checkpoint's shape and an explicit override disagree: " + "; ".join(conflicts))
         if shape["vocab_size"] < tokenizer_vocab:
-            raise ConfigError(f"checkpoint vocab {shape['vocab_size']} < tokenizer vocab {tokenizer_vocab}")
+            raise ConfigError(f"model.init_from={m['init_from']}: config.json vocab_size {shape['vocab_size']} < "
+                              f"the tokenizer's {tokenizer_vocab} tokens")
         return shape
     vocab = m.pop("vocab_size")
     multiple = m.pop("pad_vocab_multiple")
-    m.pop("init_from")
-    m.pop("dtype")
+    for key in ("init_from", "dtype"):
+        m.pop(key)
     if vocab == "auto":
         vocab = -(-tokenizer_vocab // multiple) * multiple
     elif not isinstance(vocab, int) or vocab < tokenizer_vocab:

@@ -9,6 +9,7 @@ from lockstep.framework.actor.group import ActorGroup
 from lockstep.framework.placement import Placement, Resources
 from lockstep.framework.registry import BackendRegistry
 from lockstep.framework.rollout.fleet import RolloutFleet
+from lockstep.framework.weights.transport import choose
 
 ACTORS = BackendRegistry("actor", {"native": "lockstep.framework.actor.native:NativeActor",
                                    "megatron": "lockstep.framework.actor.megatron.worker:MegatronActor"})
@@ -29,7 +30,9 @@ def spawn_actor(cfg: DictConfig, placement: Placement, model_config: dict, token
     cls = ACTORS.get(cfg.actor.backend)
     a = cfg.actor
     optim = {k: a[k] for k in ("lr", "betas", "eps", "weight_decay", "warmup_steps", "grad_clip")}
-    common = dict(determinism=_determinism(cfg), real_vocab_size=tokenizer.vocab_size,
+    weights = {"bucket_mb": cfg.weights.bucket_mb,
+               "transport": choose(cfg.weights.transport, cfg.parallel.device, cfg.parallel.colocate)}
+    common = dict(determinism=_determinism(cfg), real_vocab_size=tokenizer.vocab_size, weights=weights,
                   optim=OmegaConf.to_container(OmegaConf.create(optim), resolve=True),
                   algo={k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"},
                   seed=cfg.seed, init_from=cfg.model.init_from, num_threads=a.num_cpus, dtype=cfg.model.dtype)
@@ -62,6 +65,6 @@ def spawn_rollouts(cfg: DictConfig, placement: Placement, model_config: dict, to
     r = cfg.rollout
     engines = [ray.remote(cls).options(**placement.options(bundle, Resources(r.num_cpus, r.num_gpus))).remote(
         model_config, determinism=_determinism(cfg), real_vocab_size=tokenizer.vocab_size,
-        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, num_threads=r.num_cpus, **_engine_kwargs(cfg, i))
+        eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id, num_threads=r.num_cpus, **_engine_kwargs(cfg, i))
         for i, bundle in enumerate(placement.rollout_bundles)]
     return RolloutFleet(engines, tokenizer.pad_id)

@@ -5,6 +5,7 @@
   lockstep recipes                           list the recipes
   lockstep validate RUN_DIR                  check a run's gates; seal it COMPLETE
   lockstep report SWEEP_DIR                  the ablation table of a sweep (markdown + CSV)
+  lockstep init-model --like M --out DIR     a random-init HF Qwen3 directory (with a tokenizer)
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _job(cfg: DictConfig) -> None:
     run_dir = Path(hc.runtime.output_dir)
     try:
         name = hc.job.config_name + (f"#{hc.job.num}" if hc.mode.name == "MULTIRUN" else "")
-        summary = run(cfg, run_dir, name)
+        summary = run(cfg, run_dir, name, tuple(hc.overrides.task))
     except Exception as e:  # noqa: BLE001 - reported below, and the exit code says failed
         from lockstep.framework.summary import RunSummary, SUMMARY_FILE
 
@@ -82,13 +83,16 @@ def _run(args, passthrough: list[str]) -> int:
 
 USAGE = """usage: lockstep run RECIPE [-m] [--cfg job|hydra|all [--resolve]] [KEY=VALUE ...]
        lockstep recipes
+       lockstep validate RUN_DIR | lockstep report SWEEP_DIR
+       lockstep init-model --like MODEL --out DIR [--seed N] [KEY=VALUE ...]
 
   run       run a recipe with Hydra overrides, e.g.
               lockstep run tiny-cpu rollout.n_samples=4 determinism=off
             -m / --multirun sweeps comma-separated values:
               lockstep run tiny-cpu -m determinism=strict,off seed=1,2
             --cfg job prints the composed config instead of running
-  recipes   list the recipes with one line each"""
+  recipes   list the recipes with one line each
+  init-model  write a random-init HF Qwen3 checkpoint shaped like a model group (lockstep init-model -h)"""
 
 _HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p"}
 _HYDRA_FLAGS = {"--resolve", "--info", "-i"}
@@ -125,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[0] == "run":
         return _run(*_parse_run(argv[1:]))
+    if argv[0] == "init-model":
+        from lockstep.launch.init_model import main as init_model
+
+        return init_model(argv[1:])
     if argv[0] in ("validate", "report"):
         if len(argv) != 2:
             print(f"lockstep: {argv[0]} takes one directory\n{USAGE}", file=sys.stderr)

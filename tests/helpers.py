@@ -8,6 +8,7 @@ TINY = dict(vocab_size=16)
 REAL_VOCAB = 15
 OPTIM = dict(lr=1e-3, betas=[0.9, 0.99], eps=1e-8, weight_decay=0.0, warmup_steps=0, grad_clip=1.0)
 PROVIDER = "lockstep.kernels.provider:linear_logp_provider"
+WEIGHTS = dict(bucket_mb=512, transport="object_store")
 
 
 def determinism(mode="strict", case="R/R", attention=1, ffn=1, logp=1, fault="none", provider=PROVIDER):
@@ -15,13 +16,40 @@ def determinism(mode="strict", case="R/R", attention=1, ffn=1, logp=1, fault="no
                 on_mismatch="auto", inject_fault=fault)
 
 
-def make_actor(mode="strict", seed=0, **algo):
-    return NativeActor(TINY, determinism=determinism(mode), real_vocab_size=REAL_VOCAB, optim=OPTIM, algo=algo, seed=seed)
+def make_actor(mode="strict", seed=0, weights_bucket_mb=WEIGHTS["bucket_mb"], **algo):
+    return NativeActor(TINY, determinism=determinism(mode), real_vocab_size=REAL_VOCAB, optim=OPTIM, algo=algo, seed=seed,
+                       weights={**WEIGHTS, "bucket_mb": weights_bucket_mb})
+
+
+def sync(actor, *engines) -> dict:
+    """A weight sync between objects of this process (the driver does it between Ray actors)."""
+    from lockstep.framework.weights.sync import sync_weights
+
+    return sync_weights(actor, lambda bucket: [e.receive_bucket(bucket) for e in engines])
+
+
+class Corrupting:
+    """An actor whose bucket `index` of pass `phase` has one bit flipped after its checksum was
+    stamped (corruption in transit; object-store transport)."""
+
+    def __init__(self, actor, index, phase="verify"):
+        self.actor, self.index, self.phase = actor, index, phase
+
+    def __getattr__(self, name):
+        return getattr(self.actor, name)
+
+    def sync_bucket(self, phase, index):
+        bucket = self.actor.sync_bucket(phase, index)
+        if (phase, index) == (self.phase, self.index):
+            data = bytearray(bucket.payload["data"])
+            data[40] ^= 1
+            bucket.payload = {**bucket.payload, "data": bytes(data)}
+        return bucket
 
 
 def make_engine(mode="strict", fault="none"):
     return NativeRolloutEngine(TINY, determinism=determinism(mode, fault=fault), real_vocab_size=REAL_VOCAB,
-                               eos_id=2, pad_id=0)
+                               eos_ids=[2], pad_id=0)
 
 
 def fixed_order_interpreter_dot() -> None:

@@ -29,7 +29,7 @@ def test_overrides_apply_and_groups_switch():
 
 def test_recipes_listing_and_unknown_recipe():
     names = [line.split()[0] for line in listing().splitlines()]
-    assert names == ["ablation-tiny", "qwen3-1.7b-1gpu", "tiny-cpu"]
+    assert names == ["ablation-tiny", "qwen3-0.6b", "qwen3-1.7b-1gpu", "qwen3-1.7b", "tiny-cpu"]
     with pytest.raises(UnknownRecipe, match=r"did you mean 'tiny-cpu'.*\n.*tiny-cpu"):
         check_recipe("tiny-cpuu")
 

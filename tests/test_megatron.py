@@ -17,6 +17,8 @@ from lockstep.framework.actor.megatron.worker import micro_batches  # noqa: E402
 from lockstep.framework.models.ops import ALL_R, build_ops  # noqa: E402
 from lockstep.framework.models.qwen3 import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
+from helpers import WEIGHTS, sync  # noqa: E402
+
 PROVIDER = "lockstep.kernels.provider:linear_logp_provider"
 DET = dict(mode="strict", case="R/R", attention=1, ffn=1, logp=1, provider=PROVIDER, on_mismatch="auto", inject_fault="none")
 OPTIM = dict(lr=1e-3, betas=[0.9, 0.99], eps=1e-8, weight_decay=0.0, warmup_steps=0, grad_clip=1.0)
@@ -65,29 +67,37 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _megatron_rank(rank, world, port, tp, out):
-    """One megatron rank (TP=tp): load HF weights, stream them back, and on TP=1 compare logprobs
-    with the native engine and take training steps."""
+def _megatron_rank(rank, world, port, tp, out, init_from=None):
+    """One megatron rank (TP=tp): load HF weights (the seeded init, or a sharded HF checkpoint read
+    shard by shard), stream them back, and on TP=1 compare logprobs with the native engine and
+    take training steps."""
     from lockstep.framework.actor.megatron.worker import MegatronActor
+
+    from lockstep.framework.weights.buckets import unpack
+    from lockstep.framework.weights.transport import open_payload
 
     actor = MegatronActor(SHAPE, determinism=DET, real_vocab_size=30, optim=OPTIM, algo={"kl_coef": 0.01}, seed=5,
                           parallel=dict(device="cpu", tp=tp, cp=1, pp=1, dp=world // tp), rank=rank,
-                          world_size=world, max_tokens_per_gpu=24)
+                          world_size=world, max_tokens_per_gpu=24, weights={**WEIGHTS, "bucket_mb": 0.02},
+                          init_from=init_from)
     actor.setup("127.0.0.1", port)
-    payload = actor.weights_for_sync()  # every rank takes part; rank 0 gets the payload
+    # every rank takes part in every bucket (gathering its shards); rank 0 gets the buckets
+    buckets = [actor.sync_bucket("load", i) for i in range(actor.sync_plan())]
+    actor.sync_done()
     result = {}
     if rank == 0:
+        assert len(buckets) >= 2
+        streamed = {n: t.clone() for b in buckets for n, t in unpack(open_payload(b.payload), b.layout)}
         native = Qwen3ForCausalLM(Qwen3Config(**SHAPE), build_ops(ALL_R))
         native.init_weights(5)
         ref = native.hf_state_dict()
-        result["round_trip_exact"] = payload.tensors.keys() == ref.keys() and all(
-            torch.equal(payload.tensors[k], ref[k]) for k in ref)
+        result["round_trip_exact"] = streamed.keys() == ref.keys() and all(torch.equal(streamed[k], ref[k]) for k in ref)
     if tp == 1:
         from lockstep.framework.rollout.base import SamplingParams
         from lockstep.framework.rollout.native import NativeRolloutEngine
 
-        engine = NativeRolloutEngine(SHAPE, determinism=DET, real_vocab_size=30, eos_id=2, pad_id=0)
-        engine.update_weights(payload)
+        engine = NativeRolloutEngine(SHAPE, determinism=DET, real_vocab_size=30, eos_ids=[2], pad_id=0)
+        sync(actor, engine)
         mismatches, numel = [], []
         for step, sp in enumerate([SamplingParams(1.0, 1.0, 0, 6), SamplingParams(0.8, 0.9, 6, 6), SamplingParams(0.7, 1.0, 0, 5)]):
             ro = engine.generate([[1, 3, 4, 5], [1, 6, 7], [1, 9, 10, 11, 12]], sp, [[step, 2, 3], [4, 5, 6], [7, 8, 9]])
@@ -96,14 +106,21 @@ def _megatron_rank(rank, world, port, tp, out):
             mismatches.append(int(((lp.logp.view(torch.int32) != ro.logp.view(torch.int32)) & m).sum()))
             numel.append(int(m.sum()))
             actor.train(ro, (ro.response_lens % 2).float(), torch.arange(3).repeat_interleave(3), lp.logp)
-            engine.update_weights(actor.weights_for_sync())
+            sync(actor, engine)
         result.update(mismatches=mismatches, numel=numel, readback=actor.ops.counter.as_dict())
     torch.save(result, os.path.join(out, f"{rank}.pt"))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_actor_on_gloo(tp, tmp_path):
-    mp.spawn(_megatron_rank, args=(tp, _free_port(), tp, str(tmp_path)), nprocs=tp, join=True)
+@pytest.mark.parametrize("tp,from_checkpoint", [(1, False), (2, False), (2, True)])
+def test_megatron_actor_on_gloo(tp, from_checkpoint, tmp_path):
+    init_from = None
+    if from_checkpoint:  # the same seeded weights, as a sharded HF checkpoint
+        native = Qwen3ForCausalLM(Qwen3Config(**SHAPE), build_ops(ALL_R))
+        native.init_weights(5)
+        native.save_pretrained(tmp_path / "ckpt", max_shard_bytes=60_000)
+        assert (tmp_path / "ckpt" / "model.safetensors.index.json").exists()
+        init_from = str(tmp_path / "ckpt")
+    mp.spawn(_megatron_rank, args=(tp, _free_port(), tp, str(tmp_path), init_from), nprocs=tp, join=True)
     r0 = torch.load(tmp_path / "0.pt")
     assert r0["round_trip_exact"], "HF -> megatron -> HF (through the model) changed a tensor"
     if tp == 1:

@@ -1,7 +1,7 @@
 """The Qwen3 definition and the native engine: checkpoints, cache vs teacher forcing, sampling."""
 import torch
 
-from helpers import REAL_VOCAB, make_actor, make_engine
+from helpers import REAL_VOCAB, make_actor, make_engine, sync
 from lockstep.framework.models.ops import ALL_P, ALL_R, build_ops
 from lockstep.framework.models.qwen3 import KVCache, Qwen3Config, Qwen3ForCausalLM
 from lockstep.framework.rollout.base import SamplingParams
@@ -55,7 +55,7 @@ def _generate(engine, prompts, sp, seeds):
 
 def test_samples_depend_only_on_their_seed():
     actor, engine = make_actor(), make_engine()
-    engine.update_weights(actor.weights_for_sync())
+    sync(actor, engine)
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=8, max_new_tokens=6)
     seeds = [[sample_seed(1, 1, i, j) for j in range(3)] for i in range(3)]
     full = _generate(engine, PROMPTS, sp, seeds)
@@ -70,7 +70,7 @@ def test_samples_depend_only_on_their_seed():
 
 def test_top_p_support_holds_the_sampled_token_and_stops_at_eos():
     actor, engine = make_actor(), make_engine()
-    engine.update_weights(actor.weights_for_sync())
+    sync(actor, engine)
     sp = SamplingParams(temperature=0.7, top_p=0.5, max_new_tokens=8)
     ro = _generate(engine, PROMPTS, sp, [[11, 12, 13, 14]] * 3)
     mask = ro.response_mask()
@@ -91,7 +91,7 @@ def test_top_p_support_holds_the_sampled_token_and_stops_at_eos():
 
 def test_greedy_is_deterministic_and_scores_raw_logits():
     actor, engine = make_actor(), make_engine()
-    engine.update_weights(actor.weights_for_sync())
+    sync(actor, engine)
     sp = SamplingParams(temperature=0.0, max_new_tokens=4)
     a = _generate(engine, PROMPTS, sp, [[1], [2], [3]])
     b = _generate(engine, PROMPTS, sp, [[4], [5], [6]])

@@ -34,5 +34,5 @@ def test_extraction_helpers():
 
 
 def test_unknown_reward_lists_valid():
-    with pytest.raises(ValueError, match="valid: math"):
+    with pytest.raises(ValueError, match="valid: dapo, math"):
         get_reward_fn("f1")

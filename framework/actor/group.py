@@ -22,15 +22,27 @@ class ActorGroup:
         ref = ray.put(rollout)
         return ray.get(self._all("train", ref, rewards, group_ids, old_logp))[0]
 
-    def weights_for_sync(self):
-        """An ObjectRef to rank 0's payload (the other ranks take part in gathering it)."""
-        refs = self._all("weights_for_sync")
-        self._pending = refs[1:]
+    def sync_plan(self) -> int:
+        return ray.get(self._all("sync_plan"))[0]
+
+    def sync_bucket(self, phase: str, index: int):
+        """An ObjectRef to rank 0's bucket, resolved by the engines (never fetched here); the other
+        ranks have done their part (gathering shards) when this returns."""
+        refs = self._all("sync_bucket", phase, index)
+        ray.get(refs[1:])
         return refs[0]
 
-    def wait_sync(self) -> None:
-        ray.get(getattr(self, "_pending", []))
-        self._pending = []
+    def sync_done(self) -> None:
+        ray.get(self._all("sync_done"))
+
+    def offload(self) -> dict:
+        return ray.get(self._all("offload"))[0]
+
+    def reload(self) -> dict:
+        return ray.get(self._all("reload"))[0]
+
+    def memory(self) -> dict:
+        return ray.get(self.workers[0].memory.remote())
 
     def save(self, path: str) -> None:
         ray.get(self._all("save", path))

@@ -16,16 +16,16 @@ from lockstep.framework.actor.logp import BatchLogp, score_samples, warmup_lr
 from lockstep.framework.algo.grpo import LOSS_STATS, GRPOConfig, group_advantages, grpo_loss
 from lockstep.framework.consistency.readback import readback, write_readback
 from lockstep.framework.models.ops import ops_for_side
-from lockstep.framework.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from lockstep.framework.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, group_bytes, hf_groups
 from lockstep.framework.rollout.base import Rollout
-from lockstep.framework.weights.sync import WeightPayload
+from lockstep.framework.weights.sync import Bucket, WeightSender
 
 STATE_FILE = "actor_state.pt"
 
 
 class NativeActor(Actor):
     def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, optim: dict, algo: dict,
-                 seed: int, init_from: str | None = None, num_threads: int = 1, device: str = "cpu",
+                 seed: int, weights: dict, init_from: str | None = None, num_threads: int = 1, device: str = "cpu",
                  dtype: str = "float32"):
         torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
@@ -46,6 +46,10 @@ class NativeActor(Actor):
                                            eps=optim["eps"], weight_decay=optim["weight_decay"])
         self.optim_steps = 0
         self.version = 0
+        cfg = self.model.config
+        self.sender = WeightSender(group_bytes(cfg, getattr(torch, dtype)), int(weights["bucket_mb"] * 2**20),
+                                   weights["transport"])
+        self.hf_groups = [list(g) for g in hf_groups(cfg)]
 
     # ---- logprobs ------------------------------------------------------------------------------
     def _logp(self, model, rollout: Rollout, samples: torch.Tensor, with_entropy: bool) -> BatchLogp:
@@ -98,12 +102,25 @@ class NativeActor(Actor):
         sums["advantage_abs_mean"] = float(adv.abs().mean())
         return sums
 
+    def offload_tensors(self) -> list[torch.Tensor]:
+        from lockstep.framework.actor.offload import gpu_tensors
+
+        return gpu_tensors(self.model, self.ref, self.optimizer)
+
     def write_readback(self, run_dir: str) -> str:
         return write_readback(run_dir, readback(self.ops, side="trainer", backend="native"))
 
     # ---- weights -------------------------------------------------------------------------------
-    def weights_for_sync(self) -> WeightPayload:
-        return WeightPayload.pack(self.model.hf_state_dict().items(), self.version)
+    def sync_plan(self) -> int:
+        return len(self.sender.plan)
+
+    def sync_bucket(self, phase: str, index: int) -> Bucket:
+        params = self.model.hf_state_dict(keep_vars=True)
+        return self.sender.bucket(self.version, phase, index,
+                                  lambda groups: [(n, params[n].detach()) for g in groups for n in self.hf_groups[g]])
+
+    def sync_done(self) -> None:
+        self.sender.release()
 
     def save(self, path: str) -> None:
         self.model.save_pretrained(path)

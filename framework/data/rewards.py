@@ -1,9 +1,16 @@
-"""Rule-based rewards. `math_reward`: 1.0 when the response's final answer equals the label.
+"""Rule-based rewards (data.reward), each `(prompt, response, label) -> float`.
 
-The final answer is the content of the last \\boxed{...} (nested braces allowed) or, without one,
-the last number in the response. Both sides are normalised (spaces, $, \\left/\\right, \\dfrac,
-thousands separators, unicode minus, trailing period) and compared as exact fractions when both
-parse as numbers, else as strings.
+`math`: 1.0 when the response's final answer equals the label. The final answer is the content of
+the last \\boxed{...} (nested braces allowed) or, without one, the last number in the response.
+Both sides are normalised (spaces, $, \\left/\\right, \\dfrac, thousands separators, unicode
+minus, trailing period) and compared as exact fractions when both parse as numbers, else as
+strings. (The synthetic digit task answers with bare digits, hence the last-number fallback.)
+
+`dapo`: the grading of DAPO's math reward for dapo-math-17k: only the last \\boxed{...} counts (no
+box: 0.0); it and the label are normalised the way DAPO's grader does (Minerva's
+`normalize_final_answer`: the part after the last "=", units and filler words removed, \\text /
+\\textbf / \\overline / \\boxed unwrapped, "\\frac12" -> "\\frac{1}{2}", "\\sqrt3" ->
+"\\sqrt{3}", $ dropped, thousands separators of integers dropped) and compared as strings.
 """
 from __future__ import annotations
 
@@ -75,7 +82,40 @@ def math_reward(prompt: str, response: str, label: str) -> float:
     return 1.0 if answer is not None and answers_equal(answer, str(label)) else 0.0
 
 
-REWARDS: dict[str, Callable[[str, str, str], float]] = {"math": math_reward}
+# DAPO's grader (Minerva's answer normalisation): substitutions, then expressions removed
+_DAPO_SUBSTITUTIONS = [("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+                       (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}")]
+_DAPO_REMOVED = ["square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
+                 "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
+                 "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
+                 "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}",
+                 "\\;", ",\\!", "{,}", '"', "\\dots"]
+
+
+def dapo_normalize(answer: str) -> str:
+    answer = answer.split("=")[-1]
+    for before, after in _DAPO_SUBSTITUTIONS:
+        answer = answer.replace(before, after)
+    for expr in _DAPO_REMOVED:
+        answer = answer.replace(expr, "")
+    answer = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", answer)
+    for wrapper in ("text", "textbf", "overline", "boxed"):
+        answer = re.sub(r"(\\" + wrapper + r"\{)(.*?)(\})" if wrapper != "boxed" else r"(\\boxed\{)(.*)(\})",
+                        "\\2", answer)
+    answer = re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", answer)
+    answer = re.sub(r"(sqrt)([^{])", "sqrt{\\2}", answer)
+    answer = answer.replace("$", "")
+    if answer.replace(",", "").isdigit():
+        answer = answer.replace(",", "")
+    return answer.strip()
+
+
+def dapo_reward(prompt: str, response: str, label: str) -> float:
+    boxed = last_boxed(response)
+    return 1.0 if boxed is not None and dapo_normalize(boxed) == dapo_normalize(str(label)) else 0.0
+
+
+REWARDS: dict[str, Callable[[str, str, str], float]] = {"math": math_reward, "dapo": dapo_reward}
 
 
 def get_reward_fn(name: str) -> Callable[[str, str, str], float]:

@@ -23,9 +23,13 @@ TASKS = {"digit_sum": digit_sum_records}
 
 
 def task_path(name: str) -> Path:
-    if name not in TASKS:
-        raise ValueError(f"unknown builtin task {name!r}; valid: {', '.join(sorted(TASKS))}")
-    return TASKS_DIR / f"{name}.jsonl"
+    """builtin:<name>: a generated task (TASKS) or a file shipped in tasks/ (math_sample: 40
+    hand-written problems in the dapo-math-17k layout, answers in reward_model.ground_truth)."""
+    path = TASKS_DIR / f"{name}.jsonl"
+    if name not in TASKS and not path.exists():
+        valid = sorted(set(TASKS) | {p.stem for p in TASKS_DIR.glob("*.jsonl")})
+        raise ValueError(f"unknown builtin task {name!r}; valid: {', '.join(valid)}")
+    return path
 
 
 def render(name: str) -> str:

@@ -13,15 +13,18 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
+from lockstep.framework.models.hf import CONFIG_FILE, CheckpointError, CheckpointReader, CheckpointWriter, read_json
 from lockstep.framework.models.layer import AttentionWeights, LayerGeometry, MLPWeights, decoder_layer
 from lockstep.framework.models.ops import ModelOps
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
+# what lockstep's Qwen3 reads from an HF config.json (and what a model group may set)
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+              "max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -38,8 +41,6 @@ class Qwen3Config:
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 512
     initializer_range: float = 0.02
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -48,14 +49,79 @@ class Qwen3Config:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
 
-    def to_hf(self) -> dict:
+    def to_hf(self, dtype: str = "float32") -> dict:
+        """An HF Qwen3 config.json (what transformers' Qwen3Config reads)."""
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
-                "attention_bias": False, "torch_dtype": "float32", **asdict(self)}
+                "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": self.num_hidden_layers, "rope_scaling": None, "use_cache": True,
+                "dtype": dtype, "torch_dtype": dtype, **asdict(self)}
 
     @classmethod
-    def from_hf(cls, d: dict) -> "Qwen3Config":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+    def from_hf(cls, d: dict, where: str = CONFIG_FILE) -> "Qwen3Config":
+        """From an HF config.json; what lockstep's Qwen3 does not implement is an error naming the key."""
+        if d.get("model_type", "qwen3") != "qwen3":
+            raise CheckpointError(f"{where}: model_type {d['model_type']!r} is not qwen3")
+        rope = d.get("rope_parameters") or {}
+        unsupported = {"attention_bias": bool(d.get("attention_bias")),
+                       "hidden_act": d.get("hidden_act", "silu") != "silu",
+                       "use_sliding_window": bool(d.get("use_sliding_window")),
+                       "rope_scaling": d.get("rope_scaling") not in (None, {}),
+                       "rope_parameters.rope_type": rope.get("rope_type", "default") != "default",
+                       "layer_types": any(t != "full_attention" for t in d.get("layer_types") or [])}
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise CheckpointError(f"{where}: lockstep's Qwen3 does not implement {', '.join(bad)} "
+                                  f"({', '.join(f'{k}={d.get(k.split(chr(46))[0])!r}' for k in bad)})")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in d]
+        if missing:
+            raise CheckpointError(f"{where}: missing {missing}")
+        theta = d.get("rope_theta", rope.get("rope_theta", cls.rope_theta))
+        values = {k: d[k] for k in SHAPE_KEYS if k in d and d[k] is not None}
+        values.setdefault("num_key_value_heads", d["num_attention_heads"])
+        values.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+        values["rope_theta"] = float(theta)
+        if d.get("initializer_range") is not None:
+            values["initializer_range"] = d["initializer_range"]
+        return cls(**values)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Qwen3Config":
+        return cls.from_hf(read_json(Path(path) / CONFIG_FILE), str(Path(path) / CONFIG_FILE))
+
+
+def hf_groups(cfg: Qwen3Config) -> list[dict[str, tuple[int, ...]]]:
+    """The HF tensors of a Qwen3 and their shapes, in sync order: the embeddings, final norm (and an
+    untied LM head), then one group per decoder layer."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    first = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        first["lm_head.weight"] = (cfg.vocab_size, h)
+    groups = [first]
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        groups.append({p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (cfg.num_attention_heads * d, h),
+                       p + "self_attn.k_proj.weight": (cfg.num_key_value_heads * d, h),
+                       p + "self_attn.v_proj.weight": (cfg.num_key_value_heads * d, h),
+                       p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                       p + "self_attn.o_proj.weight": (h, cfg.num_attention_heads * d),
+                       p + "post_attention_layernorm.weight": (h,), p + "mlp.gate_proj.weight": (i, h),
+                       p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)})
+    return groups
+
+
+def group_bytes(cfg: Qwen3Config, dtype: torch.dtype) -> list[int]:
+    return [sum(math.prod(s) for s in g.values()) * dtype.itemsize for g in hf_groups(cfg)]
+
+
+def write_checkpoint(path: str | Path, cfg: Qwen3Config, named_tensors, max_shard_bytes: int = 5 * 2**30) -> None:
+    """config.json (its dtype that of the tensors) and the weights, written as they come."""
+    writer, dtype = CheckpointWriter(path, max_shard_bytes), None
+    for name, t in named_tensors:
+        dtype = dtype or str(t.dtype).removeprefix("torch.")
+        writer.add(name, t)
+    writer.close()
+    (Path(path) / CONFIG_FILE).write_text(json.dumps(cfg.to_hf(dtype or "float32"), indent=2))
 
 
 class Linear(nn.Module):
@@ -155,9 +221,9 @@ class Qwen3ForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+    def hf_state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
         """Parameters under their HF names (a tied LM head is stored once, as HF does)."""
-        return {k: v for k, v in self.state_dict().items()}
+        return dict(self.state_dict(keep_vars=keep_vars))
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         tensors = dict(tensors)
@@ -168,21 +234,19 @@ class Qwen3ForCausalLM(nn.Module):
             raise ValueError(f"checkpoint does not match the model: missing {sorted(missing)}, "
                              f"unexpected {sorted(unexpected)}")
 
-    def save_pretrained(self, path: str | Path) -> None:
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        (path / CONFIG_FILE).write_text(json.dumps(self.config.to_hf(), indent=2))
-        save_file({k: v.detach().contiguous() for k, v in self.hf_state_dict().items()},
-                  str(path / WEIGHTS_FILE))
+    def save_pretrained(self, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> None:
+        """An HF directory: config.json and the weights (sharded, with an index, past max_shard_bytes)."""
+        write_checkpoint(path, self.config, self.hf_state_dict().items(), max_shard_bytes)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, ops: ModelOps) -> "Qwen3ForCausalLM":
-        path = Path(path)
-        if not (path / CONFIG_FILE).exists() or not (path / WEIGHTS_FILE).exists():
-            raise FileNotFoundError(f"{path} is not a Qwen3 checkpoint: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
-        cfg = Qwen3Config.from_hf(json.loads((path / CONFIG_FILE).read_text()))
-        model = cls(cfg, ops)
-        model.load_hf_state_dict(load_file(str(path / WEIGHTS_FILE)))
+        model = cls(Qwen3Config.from_dir(path), ops)
+        reader = CheckpointReader(path)
+        expected = set(model.hf_state_dict())
+        extra = sorted(reader.names - expected - {"lm_head.weight"})
+        if extra:
+            raise CheckpointError(f"{path}: tensors this Qwen3 does not have: {extra[:5]}")
+        model.load_hf_state_dict(reader.tensors(sorted(expected)))
         return model
 
     # ---- compute -------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lockstep.framework.weights.sync import WeightPayload
+from lockstep.framework.weights.sync import Bucket
 
 
 @dataclass(frozen=True)
@@ -71,12 +71,34 @@ class RolloutEngine(abc.ABC):
         (len(seeds[i]) samples are drawn). Samples are ordered prompt-major."""
 
     @abc.abstractmethod
-    def update_weights(self, payload: WeightPayload) -> dict:
-        """Load a versioned payload (refusing stale versions and bad checksums); returns timings."""
+    def receive_bucket(self, bucket: Bucket) -> dict:
+        """One bucket of a weight sync (weights/sync.py: verified in the first pass, loaded in the
+        second; stale versions and bad checksums refused); returns timings."""
 
     def sleep(self) -> str:
-        """Colocated mode, between rollout and weight sync: release device memory if the engine can."""
+        """Colocated mode, after the rollout: release the engine's device memory (KV cache, weights)
+        for training; says what it did."""
         return "sleep skipped: this engine keeps no device memory to release"
 
-    def wake(self) -> str:
+    def wake(self, what: str) -> str:
+        """what: "weights" (before the weight sync, which rewrites them) or "kv_cache" (after it)."""
         return "wake skipped: this engine keeps no device memory to release"
+
+    def memory(self) -> dict:
+        return device_memory()
+
+
+WAKE_ORDER = ("weights", "kv_cache")
+
+
+def device_memory() -> dict:
+    """GiB in use on this process's GPU (all processes) and this process's peak allocation since the
+    last call; {} without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return {"used_gib": (total - free) / 2**30, "peak_gib": peak}

@@ -48,16 +48,21 @@ class RolloutFleet:
         rows = [[first[i] + j for i in d for j in range(len(seeds[i]))] for d in dealt]
         return merge_rollouts(ray.get(refs), rows, self.pad_id)
 
-    def update_weights(self, payload_ref) -> dict:
-        timings = ray.get([e.update_weights.remote(payload_ref) for e in self.engines])
-        return {k: max(t[k] for t in timings) for k in timings[0]}  # the slowest engine bounds the step
+    def receive_bucket(self, bucket_ref) -> list[dict]:
+        """Every engine takes one bucket of a weight sync (weights/sync.py); their timings."""
+        return ray.get([e.receive_bucket.remote(bucket_ref) for e in self.engines])
 
     def sleep(self) -> list[str]:
         """Colocated mode: release the engines' device memory (KV cache, weights) for training."""
         return ray.get([e.sleep.remote() for e in self.engines])
 
-    def wake(self) -> list[str]:
-        return ray.get([e.wake.remote() for e in self.engines])
+    def wake(self, what: str) -> list[str]:
+        return ray.get([e.wake.remote(what) for e in self.engines])
+
+    def memory(self) -> dict:
+        """The GPU memory of the engines (the largest)."""
+        found = [m for m in ray.get([e.memory.remote() for e in self.engines]) if m]
+        return {k: max(m[k] for m in found) for k in found[0]} if found else {}
 
     def write_readbacks(self, run_dir: str) -> None:
         ray.get([e.write_readback.remote(run_dir) for e in self.engines])

@@ -7,21 +7,20 @@ row that produced it, with the same temperature and support the trainer will use
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
+from lockstep.framework.actor.offload import DeviceOffload, gpu_tensors
 from lockstep.framework.consistency.readback import readback, write_readback
 from lockstep.framework.models.ops import ops_for_side
 from lockstep.framework.models.qwen3 import KVCache, Qwen3Config, Qwen3ForCausalLM
 from lockstep.framework.rollout.base import Rollout, RolloutEngine, SamplingParams
 from lockstep.framework.rollout.faults import check_fault, faulty_logp
 from lockstep.framework.rollout.sampling import pad_supports, sample_row
-from lockstep.framework.weights.sync import WeightPayload, verify_incoming, verify_loaded
+from lockstep.framework.weights.sync import Bucket, WeightReceiver
 
 
 class NativeRolloutEngine(RolloutEngine):
-    def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, eos_id: int, pad_id: int,
+    def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, eos_ids: list[int], pad_id: int,
                  num_threads: int = 1, engine_index: int = 0, device: str = "cpu", dtype: str = "float32"):
         torch.set_num_threads(num_threads)
         self.device, self.dtype = torch.device(device), getattr(torch, dtype)
@@ -29,27 +28,47 @@ class NativeRolloutEngine(RolloutEngine):
         self.ops, self.engine_index = ops_for_side(determinism, "rollout"), engine_index
         self.cfg = Qwen3Config(**model_config)
         self.model = Qwen3ForCausalLM(self.cfg, self.ops).to(self.device, self.dtype).eval().requires_grad_(False)
-        self.real_vocab_size, self.eos_id, self.pad_id = real_vocab_size, eos_id, pad_id
-        self.version = -1
+        self.real_vocab_size, self.pad_id = real_vocab_size, pad_id
+        self.eos_ids = torch.tensor(list(eos_ids), device=self.device)
+        self.receiver = WeightReceiver(list(self.model.hf_state_dict()))
+        self._offload: DeviceOffload | None = None
+
+    @property
+    def version(self) -> int:
+        return self.receiver.version
+
+    def sleep(self) -> str:
+        if self.device.type != "cuda":
+            return super().sleep()
+        self._offload = self._offload or DeviceOffload(gpu_tensors(self.model))
+        self._offload.offload(keep=False)  # the next weight sync rewrites every weight
+        return f"slept: {self._offload.total_gib:.2f} GiB of weights released (the KV cache lives only in generate)"
+
+    def wake(self, what: str) -> str:
+        if self.device.type != "cuda" or what != "weights" or self._offload is None:
+            return super().wake(what)
+        self._offload.reload(restore=False)
+        return "woken: weights re-allocated for the sync"
 
     def write_readback(self, run_dir: str) -> str:
         return write_readback(run_dir, readback(self.ops, side="rollout", backend="native", instance=self.engine_index))
 
     # ---- weights -------------------------------------------------------------------------------
-    def update_weights(self, payload: WeightPayload) -> dict:
-        t0 = time.perf_counter()
-        verify_incoming(payload, self.version)
-        t1 = time.perf_counter()
-        self.model.load_hf_state_dict(payload.tensors)  # copies into the engine's device/dtype
-        verify_loaded(self.model.hf_state_dict().items(), payload)
-        self.version = payload.version
-        return {**payload.timings, "verify_s": t1 - t0, "load_s": time.perf_counter() - t1}
+    def receive_bucket(self, bucket: Bucket) -> dict:
+        params = self.model.hf_state_dict(keep_vars=True)
+
+        @torch.no_grad()
+        def load(named):
+            for name, t in named:
+                params[name].copy_(t)
+
+        return self.receiver.receive(bucket, load, lambda names: [(n, params[n].detach()) for n in names],
+                                     device=self.device)
 
     # ---- generation ----------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[list[int]]) -> Rollout:
-        if self.version < 0:
-            raise RuntimeError("generate called before the first weight sync")
+        self.receiver.check_ready()
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seed lists")
         dev = self.device
@@ -83,7 +102,7 @@ class NativeRolloutEngine(RolloutEngine):
             step_support.append(support)
             step_alive.append(alive.clone())
             tokens[alive, pos[alive]] = nxt[alive]
-            still = alive & (nxt != self.eos_id)
+            still = alive & ~torch.isin(nxt, self.eos_ids)
             if not still.any():
                 break
             # Feed each new token at its own position; finished rows recompute their last slot and
@@ -114,7 +133,7 @@ class NativeRolloutEngine(RolloutEngine):
             for r, s in enumerate(step_support):
                 support[:, r, : s.shape[1]] = torch.where(alive[:, r, None], s.cpu(), -1)
         last_tok = tokens.gather(1, (prompt_lens + response_lens - 1)[:, None])[:, 0]
-        finished = last_tok == self.eos_id
+        finished = torch.isin(last_tok, self.eos_ids.cpu())
         total = int((prompt_lens + response_lens).max())
         return Rollout(tokens[:, :total].clone(), prompt_lens, response_lens, logp, support, finished,
                        self.version, sampling)

@@ -19,15 +19,15 @@ from pathlib import Path
 
 import torch
 import vllm  # noqa: F401  (an environment without vLLM reports this backend unavailable)
-from safetensors.torch import save_file
 
 from lockstep.framework.consistency.readback import write_readback
 from lockstep.framework.models.ops import Selection
-from lockstep.framework.models.qwen3 import CONFIG_FILE, Qwen3Config
+from lockstep.framework.models.qwen3 import CONFIG_FILE, Qwen3Config, hf_groups
 from lockstep.framework.rollout.base import Rollout, RolloutEngine, SamplingParams
 from lockstep.framework.rollout.faults import check_fault
 from lockstep.framework.rollout.vllm_plugin import ENV
-from lockstep.framework.weights.sync import WeightChecksumError, WeightPayload, verify_incoming
+from lockstep.framework.weights import sync as sync_errors
+from lockstep.framework.weights.sync import Bucket, WeightSyncError
 
 log = logging.getLogger(__name__)
 WORKER_EXTENSION = "lockstep.framework.rollout.vllm_plugin.worker.LockstepWorkerExtension"
@@ -63,7 +63,7 @@ def engine_kwargs(device: str, *, tensor_parallel_size: int, max_model_len: int,
 
 
 class VllmRolloutEngine(RolloutEngine):
-    def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, eos_id: int, pad_id: int,
+    def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, eos_ids: list[int], pad_id: int,
                  num_threads: int = 1, tensor_parallel_size: int = 1, max_support: int = 64,
                  max_batch: int = 256, gpu_memory_utilization: float = 0.4, kv_cache_gib: float = 1.0,
                  max_model_len: int | None = None, seed: int = 0, engine_index: int = 0, dtype: str = "float32",
@@ -72,12 +72,12 @@ class VllmRolloutEngine(RolloutEngine):
         torch.set_num_threads(num_threads)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.cfg = Qwen3Config(**model_config)
-        self.real_vocab_size, self.eos_id, self.pad_id = real_vocab_size, eos_id, pad_id
+        self.real_vocab_size, self.eos_ids, self.pad_id = real_vocab_size, list(eos_ids), pad_id
         self.window = min(max_support + 1, self.cfg.vocab_size)  # one past max_support detects overflow
         self.workdir = Path(tempfile.mkdtemp(prefix="lockstep-vllm-"))
         model_dir = self.workdir / "model"
         model_dir.mkdir()
-        (model_dir / CONFIG_FILE).write_text(json.dumps({**self.cfg.to_hf(), "lockstep_real_vocab_size": real_vocab_size}))
+        (model_dir / CONFIG_FILE).write_text(json.dumps({**self.cfg.to_hf(dtype), "lockstep_real_vocab_size": real_vocab_size}))
         # Read by the plugin in every vLLM process (inherited by the processes vLLM spawns).
         os.environ[ENV] = json.dumps(determinism)
         os.environ.update(VLLM_ENV)
@@ -92,30 +92,24 @@ class VllmRolloutEngine(RolloutEngine):
             max_model_len=max_model_len or self.cfg.max_position_embeddings, max_logprobs=self.window,
             max_batch=max_batch, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, seed=seed,
             enforce_eager=bool(enforce_eager), lockstep_attention=Selection.for_side(determinism, "rollout").attention))
-        self.llm.collective_rpc("lockstep_install")
+        self.llm.collective_rpc("lockstep_install", args=([n for g in hf_groups(self.cfg) for n in g],))
         self.startup_s = time.perf_counter() - t0
         self.tensor_parallel_size, self.engine_index = tensor_parallel_size, engine_index
-        self.version = -1
+        self.version, self.consistent = -1, True
         if self.device == "cpu":
             log.warning("vLLM's CPU build has no sleep mode: colocated sleep/wake is skipped, the KV cache stays allocated")
 
     # ---- weights -------------------------------------------------------------------------------
-    def update_weights(self, payload: WeightPayload) -> dict:
-        t0 = time.perf_counter()
-        verify_incoming(payload, self.version)
-        t1 = time.perf_counter()
-        path = self.workdir / f"weights-v{payload.version}.safetensors"
-        save_file({k: v.contiguous() for k, v in payload.tensors.items()}, str(path))
-        t2 = time.perf_counter()
-        digests = self.llm.collective_rpc("lockstep_load_weights", args=(str(path),))
-        path.unlink()
-        for rank, digest in enumerate(digests):
-            if digest is not None and self.tensor_parallel_size == 1 and digest != payload.checksum:
-                raise WeightChecksumError(f"vLLM worker {rank} holds weights hashing to {digest} after loading "
-                                          f"version {payload.version}, not {payload.checksum}")
-        self.version = payload.version
-        return {**payload.timings, "verify_s": t1 - t0, "stage_s": t2 - t1, "load_s": time.perf_counter() - t2,
-                "post_load_checksum": float(all(d is not None for d in digests))}
+    def receive_bucket(self, bucket: Bucket) -> dict:
+        """The bucket goes to every vLLM worker as one message (plain types: an IPC handle or the
+        bytes), where it is verified and loaded into the worker's parameters (worker.py)."""
+        answers = self.llm.collective_rpc("lockstep_receive", args=(bucket.as_message(),))
+        self.consistent = all(a.pop("consistent") for a in answers)
+        for a in answers:
+            if "refused" in a:
+                raise getattr(sync_errors, a["refused"])(a["message"])
+        self.version = min(a.pop("version") for a in answers)
+        return {k: max(a[k] for a in answers) for k in answers[0]}
 
     def write_readback(self, run_dir: str) -> list[str]:
         """One readback per vLLM worker process (they ran the ops), named by this engine's index."""
@@ -126,13 +120,13 @@ class VllmRolloutEngine(RolloutEngine):
         if self.device != "cuda":
             return "sleep skipped: vLLM's CPU build has no sleep mode"
         self.llm.sleep(level=1)
-        return "slept (level 1: weights offloaded, KV cache freed)"
+        return "slept (level 1: weights offloaded to the host, KV cache freed)"
 
-    def wake(self) -> str:
+    def wake(self, what: str) -> str:
         if self.device != "cuda":
             return "wake skipped: vLLM's CPU build has no sleep mode"
-        self.llm.wake_up()
-        return "woken"
+        self.llm.wake_up(tags=[what])
+        return f"woken: {what}"
 
     def shutdown(self) -> None:
         """Stop vLLM's engine-core processes (freeing their memory) and remove the work dir."""
@@ -148,11 +142,14 @@ class VllmRolloutEngine(RolloutEngine):
 
         if self.version < 0:
             raise RuntimeError("generate called before the first weight sync")
+        if not self.consistent:
+            raise WeightSyncError("the engine's weights are partly one version and partly the next: a weight update "
+                                  "failed in its load pass; sync again before generating")
         rows = [(p, s) for p, ss in zip(prompts, seeds) for s in ss]
         params = [VllmSampling(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
                                top_k=sampling.top_k if sampling.top_k else 0, max_tokens=sampling.max_new_tokens,
                                seed=int(s) % (2**31), logprobs=self.window if sampling.restricts_support else 0,
-                               stop_token_ids=[self.eos_id], detokenize=False, skip_special_tokens=False)
+                               stop_token_ids=self.eos_ids, detokenize=False, skip_special_tokens=False)
                   for _, s in rows]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p, _ in rows], params, use_tqdm=False)
         return self._assemble([p for p, _ in rows], [o.outputs[0] for o in outs], sampling)

@@ -12,11 +12,12 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer import TransformerConfig
 
-from lockstep.framework.actor.megatron.convert import (Qwen3Layout, global_param_names, globals_to_hf, hf_to_megatron,
-                                                       layer_param_names, layer_to_hf)
+from lockstep.framework.actor.megatron.convert import (Qwen3Layout, global_param_names, globals_to_hf,
+                                                       globals_to_megatron, layer_param_names, layer_to_hf,
+                                                       layer_to_megatron)
 from lockstep.framework.actor.megatron.layers import lockstep_block_spec, tp_size
 from lockstep.framework.models.ops import ModelOps
-from lockstep.framework.models.qwen3 import Qwen3Config
+from lockstep.framework.models.qwen3 import Qwen3Config, hf_groups
 
 
 # TransformerLayer warns "Unknown MLP type" for any MLP class but its own; ours receives the same
@@ -58,12 +59,28 @@ def build_model(cfg: Qwen3Config, ops: ModelOps, tp: int, dtype: str, device: st
     return model.to(torch.device("cuda") if device == "cuda" else torch.device("cpu"))
 
 
-def load_hf(model: GPTModel, hf: dict[str, torch.Tensor], cfg: Qwen3Config, tp: int, rank: int) -> None:
-    weights = hf_to_megatron(hf, Qwen3Layout.from_config(cfg), tp, rank)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ValueError(f"HF -> megatron conversion does not match the model: missing {missing}, unexpected {unexpected}")
+@torch.no_grad()
+def load_hf(model: GPTModel, source, cfg: Qwen3Config, tp: int, rank: int) -> None:
+    """Load HF weights group by group (the embeddings and norms, then one layer at a time), this
+    rank's TP shard of each: source(names) -> {name: tensor} (a checkpoint reader opening only the
+    shards that hold them), so the whole model is never in this process's memory at once."""
+    lay = Qwen3Layout.from_config(cfg)
+    lay.check_tp(tp)
+    params = dict(model.named_parameters())
+    loaded = set()
+    for g, names in enumerate(hf_groups(cfg)):
+        hf = source(list(names))
+        part = globals_to_megatron(hf, lay, tp, rank) if g == 0 else layer_to_megatron(hf, g - 1, lay, tp, rank)
+        for name, t in part.items():
+            if name not in params or params[name].shape != t.shape:
+                raise ValueError(f"HF -> megatron conversion does not match the model at {name}: "
+                                 f"{tuple(t.shape)} vs {tuple(params[name].shape) if name in params else 'absent'}")
+            params[name].copy_(t)
+            loaded.add(name)
+        del hf, part
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"HF -> megatron conversion left parameters unloaded: {missing[:5]}")
 
 
 def hidden_states(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
@@ -90,17 +107,11 @@ def _gather(tensors: dict[str, torch.Tensor], group) -> list[dict[str, torch.Ten
     return out
 
 
-def iter_hf_weights(model: GPTModel, cfg: Qwen3Config, tp_group, gather_here: bool, emit: bool):
-    """Yield (hf_name, tensor) on the emitting rank, one layer's TP shards gathered at a time (the
-    buckets a weight sync streams). Ranks with gather_here=False take no part."""
-    if not gather_here:
-        return
+def hf_group(model: GPTModel, cfg: Qwen3Config, group: int, tp_group) -> dict[str, torch.Tensor]:
+    """Sync group `group` (0: the embeddings and norms; i: layer i - 1) as full HF tensors: its TP
+    shards gathered over tp_group (None: unsharded). Every rank of the TP group must call it."""
     lay = Qwen3Layout.from_config(cfg)
     params = {n: p.detach() for n, p in model.named_parameters()}
-    shards = _gather({n: params[n] for n in global_param_names(lay)}, tp_group)
-    if emit:
-        yield from globals_to_hf(shards, lay).items()
-    for i in range(lay.num_layers):
-        shards = _gather({n: params[n] for n in layer_param_names(i)}, tp_group)
-        if emit:
-            yield from layer_to_hf(shards, i, lay).items()
+    if group == 0:
+        return globals_to_hf(_gather({n: params[n] for n in global_param_names(lay)}, tp_group), lay)
+    return layer_to_hf(_gather({n: params[n] for n in layer_param_names(group - 1)}, tp_group), group - 1, lay)

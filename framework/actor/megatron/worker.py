@@ -25,9 +25,10 @@ from lockstep.framework.actor.logp import BatchLogp, score_samples, warmup_lr
 from lockstep.framework.algo.grpo import LOSS_STATS, GRPOConfig, group_advantages, grpo_loss
 from lockstep.framework.consistency.readback import readback, write_readback
 from lockstep.framework.models.ops import ops_for_side
-from lockstep.framework.models.qwen3 import CONFIG_FILE, WEIGHTS_FILE, Qwen3Config, Qwen3ForCausalLM
+from lockstep.framework.models.hf import CheckpointReader
+from lockstep.framework.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, group_bytes, write_checkpoint
 from lockstep.framework.rollout.base import Rollout
-from lockstep.framework.weights.sync import WeightPayload
+from lockstep.framework.weights.sync import Bucket, WeightSender
 
 
 def free_port() -> int:
@@ -53,7 +54,7 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 class MegatronActor(Actor):
     def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, optim: dict, algo: dict,
-                 seed: int, parallel: dict, rank: int, world_size: int, max_tokens_per_gpu: int,
+                 seed: int, parallel: dict, rank: int, world_size: int, max_tokens_per_gpu: int, weights: dict,
                  init_from: str | None = None, num_threads: int = 1, dtype: str = "float32"):
         self.device = parallel["device"]
         if self.device == "cpu":
@@ -62,7 +63,7 @@ class MegatronActor(Actor):
             cpu_shims.apply()
         torch.set_num_threads(num_threads)
         self.args = dict(model_config=model_config, determinism=determinism, optim=optim, algo=algo, seed=seed,
-                         parallel=parallel, init_from=init_from, dtype=dtype)
+                         parallel=parallel, init_from=init_from, dtype=dtype, weights=weights)
         self.rank, self.world_size = rank, world_size
         self.real_vocab_size, self.max_tokens = real_vocab_size, max_tokens_per_gpu
         self.algo = GRPOConfig(**algo)
@@ -96,27 +97,30 @@ class MegatronActor(Actor):
         self.cfg = Qwen3Config(**a["model_config"])
         from lockstep.framework.actor.megatron.model import build_model, load_hf
 
-        hf = self._initial_hf_weights()
+        source = self._initial_weights()
         self.model = build_model(self.cfg, self.ops, self.tp, a["dtype"], self.device)
-        load_hf(self.model, hf, self.cfg, self.tp, self.tp_rank)
+        load_hf(self.model, source, self.cfg, self.tp, self.tp_rank)
         self.ref = None
         if self.algo.kl_coef > 0:
             self.ref = build_model(self.cfg, self.ops, self.tp, a["dtype"], self.device)
-            load_hf(self.ref, hf, self.cfg, self.tp, self.tp_rank)
+            load_hf(self.ref, source, self.cfg, self.tp, self.tp_rank)
             self.ref.eval().requires_grad_(False)
         self._build_optimizer()
+        w = a["weights"]
+        self.sender = WeightSender(group_bytes(self.cfg, getattr(torch, a["dtype"])), int(w["bucket_mb"] * 2**20),
+                                   w["transport"])
 
-    def _initial_hf_weights(self) -> dict[str, torch.Tensor]:
-        """HF-named initial weights: the checkpoint, or the native model's seeded init (so native and
-        megatron actors start from the same weights for the same seed)."""
+    def _initial_weights(self):
+        """names -> HF tensors of the initial weights: read from the checkpoint's shards on demand,
+        or the native model's seeded init (so native and megatron actors start from the same
+        weights for the same seed)."""
         a = self.args
         if a["init_from"]:
-            from safetensors.torch import load_file
-
-            return load_file(str(Path(a["init_from"]) / WEIGHTS_FILE))
+            return CheckpointReader(a["init_from"]).tensors
         model = Qwen3ForCausalLM(self.cfg, self.ops)
         model.init_weights(a["seed"])
-        return model.hf_state_dict()
+        hf = model.hf_state_dict()
+        return lambda names: {n: hf[n] for n in names}
 
     def _build_optimizer(self) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -224,32 +228,48 @@ class MegatronActor(Actor):
         return {**out, "lr": lr, "advantage_abs_mean": float(adv.abs().mean())}
 
     # ---- weights -------------------------------------------------------------------------------
-    def _hf_weights(self):
-        """HF-named full tensors on TP-rank 0 of the first DP/CP slice (streamed layer by layer:
-        one layer's shards are gathered over TP at a time); an empty iterator elsewhere."""
-        from lockstep.framework.actor.megatron.model import iter_hf_weights
+    def _hf_groups(self, groups: list[int]) -> list[tuple[str, torch.Tensor]]:
+        """The HF tensors of sync groups (0: embeddings and norms, i: layer i - 1), one group's TP
+        shards gathered at a time. Every rank takes part; only global rank 0 keeps the result."""
+        from lockstep.framework.actor.megatron.model import hf_group
 
-        return iter_hf_weights(self.model, self.cfg, self.tp_group if self.tp > 1 else None,
-                               gather_here=self.dp_rank == 0 and self.cp_rank == 0,
-                               emit=self.rank == 0)
+        gather_here = self.dp_rank == 0 and self.cp_rank == 0
+        out = []
+        for g in groups:
+            named = hf_group(self.model, self.cfg, g, self.tp_group if self.tp > 1 else None) if gather_here else {}
+            out.extend(named.items() if self.rank == 0 else [])
+        return out
 
-    def weights_for_sync(self) -> WeightPayload | None:
-        named = list(self._hf_weights())
-        return WeightPayload.pack(named, self.version) if self.rank == 0 else None
+    def sync_plan(self) -> int:
+        return len(self.sender.plan)
+
+    def sync_bucket(self, phase: str, index: int) -> Bucket | None:
+        return self.sender.bucket(self.version, phase, index, self._hf_groups, emit=self.rank == 0)
+
+    def sync_done(self) -> None:
+        self.sender.release()
+
+    def offload_tensors(self) -> list[torch.Tensor]:
+        """The model's (and reference's) parameters, megatron's contiguous param/grad buffers and
+        the distributed optimizer's state and fp32 main-parameter shards."""
+        from lockstep.framework.actor.offload import gpu_tensors
+
+        buffers = [[b.param_data, b.grad_data] for b in getattr(self.ddp, "buffers", [])]
+        optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return gpu_tensors(self.model, self.ref, buffers, [o.optimizer for o in optimizers], [vars(o) for o in optimizers])
 
     def write_readback(self, run_dir: str) -> str:
         return write_readback(run_dir, readback(self.ops, side="trainer", backend="megatron", rank=self.rank))
 
     def save(self, path: str) -> None:
-        named = list(self._hf_weights())
+        """An HF directory written by rank 0 as the layers are gathered (never the whole model at once)."""
+        groups = (self._hf_groups([g]) for g in range(self.cfg.num_hidden_layers + 1))
+        named = (t for group in groups for t in group)
         if self.rank == 0:
-            from safetensors.torch import save_file
-
-            Path(path).mkdir(parents=True, exist_ok=True)
-            import json
-
-            (Path(path) / CONFIG_FILE).write_text(json.dumps(self.cfg.to_hf(), indent=2))
-            save_file({k: v.contiguous().cpu() for k, v in named}, str(Path(path) / WEIGHTS_FILE))
+            write_checkpoint(path, self.cfg, named)
+        else:
+            for _ in named:  # take part in every gather
+                pass
         dist.barrier()
 
     def load(self, path: str) -> None:

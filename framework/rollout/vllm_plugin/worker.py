@@ -4,14 +4,13 @@ the readback of this worker process."""
 from __future__ import annotations
 
 import torch
-from safetensors.torch import load_file
 from vllm.v1.sample.sampler import Sampler
 
 from lockstep.framework.consistency.readback import readback
 from lockstep.framework.rollout.faults import faulty_logp
 from lockstep.framework.rollout.vllm_plugin import plugin_determinism
 from lockstep.framework.rollout.vllm_plugin.evidence import process_ops
-from lockstep.framework.weights.sync import checksum
+from lockstep.framework.weights.sync import Bucket, WeightReceiver, WeightSyncError
 
 
 class SupportWindowError(RuntimeError):
@@ -71,19 +70,36 @@ class LockstepSampler(Sampler):
 class LockstepWorkerExtension:
     """Mixed into vLLM's worker class (engine arg `worker_extension_cls`)."""
 
-    def lockstep_install(self) -> dict:
+    def lockstep_install(self, weight_names: list[str]) -> dict:
+        """After start-up: the sampler hook, and the weight receiver expecting these HF names."""
         runner = self.model_runner
         fault = (plugin_determinism() or {}).get("inject_fault", "none")
         runner.sampler = LockstepSampler(runner.sampler, runner.get_model(), fault)
+        self._lockstep_receiver = WeightReceiver(weight_names)
         return {"logprobs_mode": runner.sampler.logprobs_mode}
 
-    def lockstep_load_weights(self, path: str) -> str | None:
-        """Reload weights from a safetensors file; returns the checksum of the loaded weights in
-        HF layout, or None where vLLM keeps some weights packed (not comparable)."""
-        tensors = load_file(path)
-        self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
-        hf = self.model_runner.get_model().lockstep_hf_state_dict()
-        return None if hf is None else checksum(hf.items())
+    def lockstep_receive(self, message: dict) -> dict:
+        """One bucket of a weight sync (framework/weights/sync.py), loaded in place into vLLM's own
+        (fused) parameters: `model.load_weights` where the weights are plain tensors; vLLM's
+        `reload_weights` on its CPU build, which repacks the weights it packed into oneDNN handles."""
+        runner, model = self.model_runner, self.model_runner.get_model()
+        device = next(model.parameters()).device
+
+        def load(named):
+            if device.type == "cpu":
+                runner.reload_weights(weights_iterator=iter(named))
+            else:
+                model.load_weights(iter(named))
+
+        def loaded(names):  # None where vLLM's CPU build packed weights away (P modules): not comparable
+            now = model.lockstep_hf_state_dict()
+            return None if now is None else [(n, now[n]) for n in names]
+
+        try:
+            timings = self._lockstep_receiver.receive(Bucket.from_message(message), load, loaded, device=device)
+        except WeightSyncError as e:  # a refusal travels back as a value: the engine re-raises it as itself
+            return {"refused": type(e).__name__, "message": str(e), "consistent": self._lockstep_receiver.consistent}
+        return {**timings, "version": self._lockstep_receiver.version, "consistent": self._lockstep_receiver.consistent}
 
     def lockstep_readback(self) -> dict:
         ops, rank = process_ops()

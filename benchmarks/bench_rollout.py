@@ -1,0 +1,194 @@
+"""Rollout throughput side by side on one GPU: stock vLLM, vLLM's batch-invariant mode, vLLM with
+lockstep (strict) and lockstep's native engine (strict), on dummy (random) weights.
+
+    python benchmarks/bench_rollout.py OUT.md [--shapes 1.7b,8b] [--configs stock,batch_invariant,lockstep,native]
+
+Workloads (the issue's): 1.7b = Qwen3-1.7B shape, 128 requests x (64 prompt + 256 new tokens);
+8b = Qwen3-8B shape, 128 x (64 + 1024) (the reference workload's batch). Every request samples at
+temperature 1 with its own seed and returns its sampled token's logprob (what RL needs); generation
+never stops early (ignore_eos), so every config generates the same number of tokens. Each config
+runs in its own process (vLLM's batch-invariant switch is read at import): engine start-up is timed
+apart from the generation. Baselines at their best: vLLM 0.26's defaults (torch.compile + CUDA
+graphs FULL_AND_PIECEWISE, FlashAttention 3 on Hopper), gpu_memory_utilization 0.85 for every vLLM
+config. The native engine runs a shorter generation at the 8B shape (--native-new-8b) and says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {
+    "1.7b": dict(model="qwen3-1.7b", prompt=64, new=256, requests=128),
+    "8b": dict(model="qwen3-8b", prompt=64, new=1024, requests=128),
+}
+CONFIGS = ("stock", "batch_invariant", "lockstep", "native")
+
+
+def model_shape(name: str) -> dict:
+    import yaml
+
+    group = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "model" / f"{name}.yaml").read_text())
+    from lockstep.framework.models.qwen3 import SHAPE_KEYS
+
+    return {k: group[k] for k in SHAPE_KEYS}
+
+
+def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(10, min(vocab, 150000), (n, length), generator=g).tolist()
+
+
+def run_vllm(config: str, shape: dict, out: dict) -> None:
+    from lockstep.framework.models.qwen3 import Qwen3Config
+
+    cfg = Qwen3Config(**model_shape(shape["model"]))
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    (work / "config.json").write_text(json.dumps(cfg.to_hf("bfloat16")))
+    if config == "lockstep":
+        from lockstep.framework.rollout.vllm_engine import VLLM_ENV, engine_kwargs
+
+        det = dict(mode="strict", case="R/R", attention=1, ffn=1, logp=1, on_mismatch="auto", inject_fault="none",
+                   provider="lockstep.kernels.provider:linear_logp_provider")
+        os.environ.update(VLLM_ENV, LOCKSTEP_VLLM_DETERMINISM=json.dumps(det))
+        kwargs = engine_kwargs("cuda", tensor_parallel_size=1, max_model_len=shape["prompt"] + shape["new"] + 16,
+                               max_logprobs=1, max_batch=shape["requests"], gpu_memory_utilization=0.85,
+                               dtype="bfloat16", seed=0, enforce_eager=False, lockstep_attention=True)
+        kwargs.pop("enable_sleep_mode")
+    else:
+        if config == "batch_invariant":
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
+        kwargs = dict(skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16", seed=0,
+                      max_model_len=shape["prompt"] + shape["new"] + 16, enable_prefix_caching=False,
+                      max_num_seqs=shape["requests"], gpu_memory_utilization=0.85, max_logprobs=1)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(model=str(work), **kwargs)
+    if config == "lockstep":
+        from lockstep.framework.models.qwen3 import hf_groups
+
+        llm.collective_rpc("lockstep_install", args=([n for g in hf_groups(cfg) for n in g],))
+    out["startup_s"] = time.perf_counter() - t0
+    ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(shape["requests"], shape["prompt"], cfg.vocab_size)]
+    params = [SamplingParams(temperature=1.0, max_tokens=shape["new"], ignore_eos=True, seed=i, logprobs=0,
+                             detokenize=False) for i in range(len(ps))]
+    llm.generate(ps[:8], [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=i) for i in range(8)],
+                 use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    res = llm.generate(ps, params, use_tqdm=False)
+    out["gen_s"] = time.perf_counter() - t0
+    out["tokens"] = sum(len(r.outputs[0].token_ids) for r in res)
+    assert all(r.outputs[0].logprobs for r in res), "no logprobs returned"
+    if config == "lockstep":  # evidence that lockstep's attention and logprob ran in the worker
+        calls = llm.collective_rpc("lockstep_readback")[0]["kernel_calls"]
+        out["note"] = f"paged_attention calls {calls['paged_attention']}, linear_logp calls {calls['linear_logp']}"
+
+
+def run_native(shape: dict, out: dict, new_tokens: int) -> None:
+    import torch
+
+    from lockstep.framework.models.ops import ALL_R, build_ops
+    from lockstep.framework.models.qwen3 import Qwen3Config
+    from lockstep.framework.rollout.base import SamplingParams
+    from lockstep.framework.rollout.native import NativeRolloutEngine
+
+    cfg = Qwen3Config(**model_shape(shape["model"]))
+    det = dict(mode="strict", case="R/R", attention=1, ffn=1, logp=1, on_mismatch="auto", inject_fault="none",
+               provider="lockstep.kernels.provider:linear_logp_provider")
+    t0 = time.perf_counter()
+    engine = NativeRolloutEngine({**model_shape(shape["model"])}, determinism=det, real_vocab_size=cfg.vocab_size,
+                                 eos_ids=[-1], pad_id=0, device="cuda", dtype="bfloat16")
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.normal_(0, 0.02)
+    engine.receiver.version = 0  # random weights stand in for a sync
+    out["startup_s"] = time.perf_counter() - t0
+    sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    ps = prompts(shape["requests"], shape["prompt"], cfg.vocab_size)
+    engine.generate(ps[:8], SamplingParams(temperature=1.0, max_new_tokens=4), [[i] for i in range(8)])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    ro = engine.generate(ps, sp, [[i] for i in range(len(ps))])
+    torch.cuda.synchronize()
+    out["gen_s"] = time.perf_counter() - t0
+    out["tokens"] = int(ro.response_lens.sum())
+    out["new_tokens"] = new_tokens
+
+
+def child(args) -> None:
+    out = {"config": args.child, "shape": args.shape}
+    shape = SHAPES[args.shape]
+    try:
+        if args.child == "native":
+            run_native(shape, out, shape["new"] if args.shape != "8b" else args.native_new_8b)
+        else:
+            run_vllm(args.child, shape, out)
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out", nargs="?")
+    p.add_argument("--shapes", default="1.7b,8b")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--native-new-8b", type=int, default=128)
+    p.add_argument("--timeout", type=int, default=400, help="seconds per config")
+    p.add_argument("--child")
+    p.add_argument("--shape")
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    rows = []
+    for shape in args.shapes.split(","):
+        for config in args.configs.split(","):
+            cmd = [sys.executable, __file__, "--child", config, "--shape", shape, "--native-new-8b", str(args.native_new_8b)]
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+                r = json.loads(lines[-1][7:]) if lines else {"config": config, "shape": shape,
+                                                             "error": (proc.stderr or proc.stdout)[-300:]}
+                import re
+
+                seen = re.findall(r"Using (?:AttentionBackendEnum\.)?(\w+) (?:attention )?backend", proc.stderr + proc.stdout)
+                if seen:
+                    r["note"] = (r.get("note", "") + f" attention backend {seen[-1]}").strip()
+            except subprocess.TimeoutExpired:
+                r = {"config": config, "shape": shape, "error": f"timed out after {args.timeout} s"}
+            r["wall_s"] = time.perf_counter() - t0
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    lines = ["| shape | config | tokens | gen s | tok/s | vs stock | start-up s | note |", "|---|---|---|---|---|---|---|---|"]
+    for shape in args.shapes.split(","):
+        stock = next((r for r in rows if r["shape"] == shape and r["config"] == "stock" and "error" not in r), None)
+        base = stock["tokens"] / stock["gen_s"] if stock else None
+        for r in (r for r in rows if r["shape"] == shape):
+            if "error" in r:
+                lines.append(f"| {shape} | {r['config']} | | | | | | {r['error'][:120]} |")
+                continue
+            tps = r["tokens"] / r["gen_s"]
+            note = r.get("note", "")
+            if r.get("new_tokens") not in (None, SHAPES[shape]["new"]):
+                note += f" {r['new_tokens']} new tokens per request"
+            lines.append(f"| {shape} | {r['config']} | {r['tokens']} | {r['gen_s']:.2f} | {tps:,.0f} | "
+                         f"{tps / base:.3f} | {r['startup_s']:.0f} | {note} |" if base else
+                         f"| {shape} | {r['config']} | {r['tokens']} | {r['gen_s']:.2f} | {tps:,.0f} | | {r['startup_s']:.0f} | {note} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
