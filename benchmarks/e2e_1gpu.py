@@ -1,10 +1,11 @@
-"""The 1-GPU recipe end to end in both determinism modes, side by side (one process, one GPU).
+"""A 1-GPU recipe end to end in both determinism modes, side by side (one process, one GPU).
 
-    python benchmarks/e2e_1gpu.py OUT_DIR [extra hydra overrides]
+    python benchmarks/e2e_1gpu.py OUT_DIR [--recipe R] [--modes strict,off] [extra hydra overrides]
 
-Runs `qwen3-1.7b-1gpu` with determinism.mode=strict and =off, then prints (and writes to
-OUT_DIR/e2e_1gpu.md) per-mode timings and the mismatch of every step. Step 1 carries start-up
-costs (compilation, allocator warm-up), so means are over steps 2.. when there are several.
+Runs the recipe (default qwen3-1.7b-1gpu) with determinism.mode=strict and =off, then prints (and
+writes to OUT_DIR/e2e.md) per-mode timings, the mismatch of every step, the weight sync's parts and
+the colocated memory per phase. Step 1 carries start-up costs (compilation, allocator warm-up), so
+means are over steps 2.. when there are several.
 """
 from __future__ import annotations
 
@@ -14,40 +15,63 @@ from pathlib import Path
 from lockstep.framework.tracking.jsonl import read_jsonl
 from lockstep.launch import cli
 
-RECIPE = "qwen3-1.7b-1gpu"
 TIMES = ["perf/step_s", "perf/rollout_s", "perf/logp_s", "perf/train_s", "perf/weight_sync_s"]
+SYNC = ["perf/weight_verify_total_s", "perf/weight_load_total_s", "perf/weight_load_send_gather_s",
+        "perf/weight_load_send_pack_s", "perf/weight_load_send_checksum_s", "perf/weight_load_open_s",
+        "perf/weight_load_verify_s", "perf/weight_load_load_s", "perf/weight_load_post_verify_s",
+        "perf/actor_offload_s", "perf/actor_reload_s", "perf/engine_sleep_s", "perf/engine_wake_s"]
+MEMORY = ["perf/actor_allocated_gib/train", "perf/actor_allocated_gib/weight_sync", "perf/actor_offloaded_gib",
+          "perf/mem_used_gib/rollout", "perf/mem_used_gib/train", "perf/peak_mem_gib/rollout",
+          "perf/peak_mem_gib/train", "perf/peak_mem_gib/weight_sync"]
 
 
-def run_mode(out: Path, mode: str, extra: list[str]) -> list[dict]:
+def run_mode(out: Path, recipe: str, mode: str, extra: list[str]) -> list[dict]:
     run_dir = out / mode
-    rc = cli.main(["run", RECIPE, f"determinism.mode={mode}", f"hydra.run.dir={run_dir}", "logger.progress=false", *extra])
+    rc = cli.main(["run", recipe, f"determinism.mode={mode}", f"hydra.run.dir={run_dir}", "logger.progress=false", *extra])
     rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     if rc != 0:
         print(f"{mode}: run failed (rc={rc}); see {run_dir}/lockstep.log", file=sys.stderr)
+        log = run_dir / "lockstep.log"
+        if log.exists():
+            print(log.read_text()[-3000:], file=sys.stderr)
     return rows
 
 
-def summarize(mode: str, rows: list[dict]) -> list:
+def mean(rows: list[dict], key: str) -> float:
     steady = rows[1:] if len(rows) > 1 else rows
-    means = [sum(r.get(k, float("nan")) for r in steady) / max(1, len(steady)) for k in TIMES]
-    mism = ",".join(str(int(r["consistency/mismatch_count"])) for r in rows)
-    numel = sum(int(r["consistency/numel"]) for r in rows)
-    return [mode, len(rows), mism, numel, *means]
+    vals = [r[key] for r in steady if key in r]
+    return sum(vals) / len(vals) if vals else float("nan")
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    extra = sys.argv[2:]
-    table = [summarize(mode, run_mode(out, mode, extra)) for mode in ("strict", "off")]
+    out, args = Path(sys.argv[1]), sys.argv[2:]
+    recipe, modes, extra = "qwen3-1.7b-1gpu", ["strict", "off"], []
+    it = iter(args)
+    for a in it:
+        if a == "--recipe":
+            recipe = next(it)
+        elif a == "--modes":
+            modes = next(it).split(",")
+        else:
+            extra.append(a)
+    results = {mode: run_mode(out, recipe, mode, extra) for mode in modes}
     cols = ["mode", "steps", "mismatch per step", "logprobs", "step s", "rollout s", "logp s", "train s", "sync s"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in table:
-        lines.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r) + " |")
-    if len(table) == 2 and table[1][4]:
-        lines.append(f"\nstrict / off step time: {table[0][4] / table[1][4]:.2f}x "
-                     f"(train {table[0][7] / table[1][7]:.2f}x, logp {table[0][6] / table[1][6]:.2f}x)")
+    lines = [f"recipe {recipe} {' '.join(extra)}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for mode, rows in results.items():
+        mism = ",".join(str(int(r["consistency/mismatch_count"])) for r in rows)
+        numel = sum(int(r["consistency/numel"]) for r in rows)
+        vals = [f"{mean(rows, k):.3f}" for k in TIMES]
+        lines.append(f"| {mode} | {len(rows)} | {mism} | {numel} | " + " | ".join(vals) + " |")
+    if len(modes) == 2 and all(results.values()):
+        a, b = (mean(results[m], "perf/step_s") for m in modes)
+        lines.append(f"\n{modes[0]} / {modes[1]} step time: {a / b:.3f}x")
+    for title, keys in (("weight sync and colocation (s, mean of steps 2..)", SYNC), ("memory (GiB, mean of steps 2..)", MEMORY)):
+        lines += ["", f"{title}:", "", "| metric | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+        for k in keys:
+            lines.append(f"| {k} | " + " | ".join(f"{mean(results[m], k):.4g}" for m in modes) + " |")
     text = "\n".join(lines) + "\n"
-    (out / "e2e_1gpu.md").write_text(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.md").write_text(text)
     print(text)
 
 

@@ -1,36 +1,76 @@
 #!/usr/bin/env bash
-# One call on a GPU host that has torch/triton but no network: make lockstep importable from the
-# carried wheels, then run the requested stages, logging under $OUT.
-#   bash benchmarks/gpu_session.sh tests kernels e2e
-# Stages: tests (pytest -m gpu on the kernel tests), kernels (benchmarks/kernels.py, all tables),
-#         sweep (GEMM tile configs), logp (the linear-logp table alone),
-#         e2e (benchmarks/e2e_1gpu.py: the 1-GPU recipe, strict and off).
+# Calls on a GPU host that has torch/triton/transformers but no network: install what it lacks from
+# carried files, make lockstep importable, run the requested stages, logging under $OUT. What one
+# call installs under /tmp stays for the next call while the machine is warm.
+#   bash benchmarks/gpu_session.sh STAGE ...
+# Install stages (each carries its own files; see tools/gpu-vllm-carry.sh and tools/gpu-wheelhouse.sh):
+#   vllm_a   carry .gpu-vllm/chunks/00: copied to /tmp/vc/chunks
+#   vllm_b   carry .gpu-vllm/chunks/01, MANIFEST, install.sh: vLLM 0.26.0 installed into /tmp/site
+#   (any other stage installs .gpu-wheels/a (Ray, Hydra, megatron-core) into /tmp/site-a on first use:
+#    carry .gpu-wheels/a in that call)
+# Run stages:
+#   tests       pytest -m gpu (kernels, attention, logp, CUDA-graph capture, TP emulation)
+#   vllm_tests  pytest -m gpu tests/test_vllm_gpu.py (vLLM + lockstep, bf16, CUDA graphs, bitwise)
+#   e2e         qwen3-1.7b-1gpu (megatron actor + native engine), strict and off
+#   e2e_vllm    qwen3-1.7b-1gpu rollout=vllm, strict and off (top_p 0.9, temperature 0.7)
+#   e2e_ckpt    init-model --like qwen3-1.7b, then qwen3-1.7b from it: native engine, then vLLM (strict)
+#   rollout     benchmarks/bench_rollout.py (stock vLLM, batch-invariant, lockstep, native)
+#   decode      benchmarks/bench_decode.py (where a strict decode step spends its time)
+#   kernels     benchmarks/kernels.py (all kernel tables)
 set -uo pipefail
 OUT=${OUT:-/tmp/lockstep-out}
 mkdir -p "$OUT"
-# A fresh target every call: pip --target never replaces what an earlier call left half-installed.
-rm -rf .site
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .gpu-wheels/a/*.whl > "$OUT/install.log" 2>&1 \
-  || { tail -20 "$OUT/install.log"; exit 1; }
-# lockstep's folders are mapped into the lockstep.* namespace by setup.py; here, by links.
-mkdir -p .site/lockstep
-for root in framework kernels launch configs recipes; do ln -sfn "$PWD/$root" ".site/lockstep/$root"; done
-export PYTHONPATH=$PWD/.site:$PWD/benchmarks:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1
-python3 -c "import hydra.core, omegaconf, ray, megatron.core, pytest" || { echo "carried wheels do not import"; exit 1; }
+SITE=/tmp/site-a
+
+need_site() {
+  if [ ! -f $SITE/.installed ]; then
+    [ -d .gpu-wheels/a ] || { echo "wheels .gpu-wheels/a not carried and $SITE not installed"; exit 1; }
+    rm -rf $SITE
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE .gpu-wheels/a/*.whl > "$OUT/install.log" 2>&1 \
+      || { tail -20 "$OUT/install.log"; exit 1; }
+    touch $SITE/.installed
+  fi
+  # lockstep's folders are mapped into the lockstep.* namespace by setup.py; here, by links, and vLLM
+  # finds the plugin's entry point only in installed metadata
+  mkdir -p $SITE/lockstep $SITE/lockstep_rl-0.1.0.dist-info
+  for root in framework kernels launch configs recipes; do ln -sfn "$PWD/$root" "$SITE/lockstep/$root"; done
+  printf 'Metadata-Version: 2.1\nName: lockstep-rl\nVersion: 0.1.0\n' > $SITE/lockstep_rl-0.1.0.dist-info/METADATA
+  printf '[vllm.general_plugins]\nlockstep = lockstep.framework.rollout.vllm_plugin:register\n' \
+    > $SITE/lockstep_rl-0.1.0.dist-info/entry_points.txt
+  export PYTHONPATH=$SITE:/tmp/site:$PWD/benchmarks:$PWD/tests:${PYTHONPATH:-}
+  export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 LOCKSTEP_REQUIRE_OPTIONAL=1
+  python3 -c "import hydra.core, omegaconf, ray, megatron.core, pytest" || { echo "carried wheels do not import"; exit 1; }
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 rc=0
 for stage in "$@"; do
-  echo "=== $stage ==="
+  echo "=== $stage $(date +%T) ==="
   case $stage in
-    tests)   timeout 240 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_triton_logp.py \
-               tests/test_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-    kernels) timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
-    sweep)   timeout 300 python3 benchmarks/sweep_gemm.py > "$OUT/sweep.log" 2>&1; grep -E "BEST|failed" "$OUT/sweep.log" ;;
-    sweep_logp) timeout 180 python3 benchmarks/sweep_logp.py 2>&1 | grep "BLOCK_T" ;;
-    logp)    timeout 240 python3 -c "import bench_logp; l=[]; bench_logp.run(l); print(chr(10).join(l))" > "$OUT/logp.md" 2>&1; tail -40 "$OUT/logp.md" ;;
-    e2e)     timeout 540 python3 benchmarks/e2e_1gpu.py /tmp/lockstep-e2e > "$OUT/e2e.log" 2>&1
-             cp /tmp/lockstep-e2e/e2e_1gpu.md "$OUT/" 2>/dev/null; tail -30 "$OUT/e2e.log" ;;
+    vllm_a)  mkdir -p /tmp/vc/chunks && cp .gpu-vllm/chunks/00 /tmp/vc/chunks/ && ls -la /tmp/vc/chunks ;;
+    vllm_b)  mkdir -p /tmp/vc/chunks && cp .gpu-vllm/chunks/01 .gpu-vllm/chunks/MANIFEST /tmp/vc/chunks/ \
+               && cp .gpu-vllm/install.sh /tmp/vc/ && (cd /tmp/vc && TARGET=/tmp/site bash install.sh) 2>&1 | tail -5 ;;
+    tests)   need_site; timeout 400 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_triton_logp.py \
+               tests/test_attention.py tests/test_tp_invariance.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    vllm_tests) need_site; timeout 400 python3 -m pytest -q -m gpu tests/test_vllm_gpu.py -p no:cacheprovider -x 2>&1 \
+               | tee "$OUT/vllm_gpu_tests.log" | grep -v "Logging error\|I/O operation" | tail -30 ;;
+    e2e)     need_site; timeout 500 python3 benchmarks/e2e_1gpu.py /tmp/e2e > "$OUT/e2e.log" 2>&1
+             cp /tmp/e2e/e2e.md "$OUT/e2e.md" 2>/dev/null; tail -45 "$OUT/e2e.log" ;;
+    e2e_vllm) need_site; timeout 560 python3 benchmarks/e2e_1gpu.py /tmp/e2e_vllm rollout=vllm rollout.top_p=0.9 \
+               rollout.temperature=0.7 rollout.max_new_tokens=64 trainer.steps=4 > "$OUT/e2e_vllm.log" 2>&1
+             cp /tmp/e2e_vllm/e2e.md "$OUT/e2e_vllm.md" 2>/dev/null; grep -v "Logging error\|I/O operation" "$OUT/e2e_vllm.log" | tail -45 ;;
+    e2e_ckpt) need_site
+             [ -f /tmp/q17/config.json ] || timeout 200 python3 -m lockstep.launch.cli init-model --like qwen3-1.7b --out /tmp/q17 dtype=bfloat16
+             timeout 560 python3 benchmarks/e2e_1gpu.py /tmp/e2e_ckpt --recipe qwen3-1.7b --modes strict model.init_from=/tmp/q17 \
+               trainer.steps=3 rollout.max_new_tokens=128 > "$OUT/e2e_ckpt.log" 2>&1
+             timeout 560 python3 benchmarks/e2e_1gpu.py /tmp/e2e_ckpt_vllm --recipe qwen3-1.7b --modes strict model.init_from=/tmp/q17 \
+               trainer.steps=3 rollout.max_new_tokens=128 rollout=vllm > "$OUT/e2e_ckpt_vllm.log" 2>&1
+             cp /tmp/e2e_ckpt/e2e.md "$OUT/e2e_ckpt.md"; cp /tmp/e2e_ckpt_vllm/e2e.md "$OUT/e2e_ckpt_vllm.md"
+             tail -30 "$OUT/e2e_ckpt.md" "$OUT/e2e_ckpt_vllm.md" ;;
+    rollout) need_site; timeout 590 python3 benchmarks/bench_rollout.py "$OUT/rollout.md" ${ROLLOUT_ARGS:-} > "$OUT/rollout.log" 2>&1
+             tail -20 "$OUT/rollout.log" ;;
+    decode)  need_site; timeout 300 python3 benchmarks/bench_decode.py "$OUT/decode.md" > "$OUT/decode.log" 2>&1; tail -40 "$OUT/decode.log" ;;
+    kernels) need_site; timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
     *)       echo "unknown stage $stage"; rc=2 ;;
   esac
 done

@@ -130,8 +130,9 @@ class Colocation:
     rollout the engines sleep (KV cache freed, weights released) and the actor reloads to score and
     train; the weight sync wakes the engines' weights, streams the new ones into them, offloads the
     actor and only then wakes the KV cache. Each phase's GPU memory is logged on a GPU:
-    perf/mem_used_gib/<phase> (the device, all processes, at the phase's end) and
-    perf/peak_mem_gib/<phase> (the peak allocation of the process that ran it)."""
+    perf/mem_used_gib/<phase> (the device, all processes, at the phase's end), perf/peak_mem_gib/<phase>
+    (the peak allocation of the process that ran it) and perf/{actor,engine}_allocated_gib/<phase>
+    (what that process holds at the phase's end)."""
 
     def __init__(self, actor, engines, cfg: DictConfig):
         self.actor, self.engines = actor, engines
@@ -139,33 +140,32 @@ class Colocation:
         offload = cfg.actor.offload
         self.offload = self.colocated and cfg.parallel.device == "cuda" if offload == "auto" else bool(offload)
 
-    def _memory(self, timer: "PhaseTimer", phase: str, worker) -> None:
+    def _memory(self, timer: "PhaseTimer", phase: str, worker, who: str) -> None:
+        names = {"used_gib": "mem_used_gib", "peak_gib": "peak_mem_gib", "allocated_gib": f"{who}_allocated_gib"}
         for k, v in worker.memory().items():
-            timer[f"perf/{'mem_used' if k == 'used_gib' else 'peak_mem'}_gib/{phase}"] = v
+            timer[f"perf/{names[k]}/{phase}"] = v
 
     def to_actor(self, timer: "PhaseTimer") -> None:
-        self._memory(timer, "rollout", self.engines)
+        self._memory(timer, "rollout", self.engines, "engine")
         if self.colocated:
             with timer("engine_sleep"):
                 self.engines.sleep()
         if self.offload:
-            with timer("actor_reload"):
-                self.actor.reload()
+            timer.update({f"perf/actor_{k}": v for k, v in self.actor.reload().items()})
 
     def sync(self, timer: "PhaseTimer") -> None:
-        self._memory(timer, "train", self.actor)
+        self._memory(timer, "train", self.actor, "actor")
         with timer("weight_sync"):
             if self.colocated:
                 self.engines.wake("weights")
             parts = sync_weights(self.actor, self.engines.receive_bucket)
         timer.update({f"perf/weight_{k}": v for k, v in parts.items()})
         if self.offload:
-            with timer("actor_offload"):
-                timer.update({f"perf/actor_{k}": v for k, v in self.actor.offload().items()})
+            timer.update({f"perf/actor_{k}": v for k, v in self.actor.offload().items()})
         if self.colocated:
             with timer("engine_wake"):
                 self.engines.wake("kv_cache")
-        self._memory(timer, "weight_sync", self.actor)
+        self._memory(timer, "weight_sync", self.actor, "actor")  # the actor offloaded: what it keeps while engines generate
 
 
 def rollout_metrics(rollout, rewards: torch.Tensor, timer: PhaseTimer) -> dict:

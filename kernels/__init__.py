@@ -11,9 +11,11 @@ from lockstep.kernels.logp import NUM_VOCAB_CHUNKS, LinearLogpOutput, chunk_widt
 from lockstep.kernels.matmul import linear, matmul
 from lockstep.kernels.norm import rms_norm
 from lockstep.kernels.rope import apply_rope, rope_cos_sin
+from lockstep.kernels.rowlinear import NUM_K_CHUNKS, row_parallel_linear
 
 __all__ = [
     "BACKENDS", "get_backend", "set_backend", "using_backend", "kernel_calls", "matmul", "linear", "rms_norm",
+    "row_parallel_linear", "NUM_K_CHUNKS",
     "silu_mul", "rope_cos_sin", "apply_rope", "causal_attention", "varlen_attention", "paged_attention",
     "KV_BLOCK", "linear_logp",
     "LinearLogpOutput", "NUM_VOCAB_CHUNKS", "chunk_width",

@@ -32,21 +32,27 @@ class BatchLogp:
 
 
 def score_samples(into: BatchLogp, hidden: torch.Tensor, rollout: Rollout, samples: torch.Tensor,
-                  token_logp: Callable, *, cp_rank: int = 0, cp: int = 1) -> None:
+                  token_logp: Callable, positions: torch.Tensor | None = None) -> None:
     """hidden [b, s, h]: the final hidden states of rollout samples `samples` (row i = sample
     samples[i], its tokens from position 0). token_logp(hidden [n, h], targets [n], *, temperature,
-    support_ids): the side's logp op (a vocab shard's included). With cp > 1 this worker scores
-    only the response tokens it owns: every cp-th one of the rows, from cp_rank."""
+    support_ids): the side's logp op (a vocab shard's included). positions [s]: the sequence
+    positions hidden holds (context parallelism: this rank's share), default 0..s-1; a token is
+    scored by the rank that holds the hidden state predicting it."""
     dev = hidden.device
     mask = rollout.response_mask()[samples].to(dev)
     bi, ri = mask.nonzero(as_tuple=True)
-    if cp > 1:
-        mine = (torch.arange(bi.numel(), device=dev) % cp) == cp_rank
-        bi, ri = bi[mine], ri[mine]
     src = rollout.prompt_lens[samples].to(dev)[bi] + ri - 1  # the state at src predicts the token at src + 1
+    row = src
+    if positions is not None:
+        positions = positions.to(dev)
+        local = torch.full((int(positions.max()) + 1,), -1, dtype=torch.long, device=dev)
+        local[positions] = torch.arange(positions.numel(), device=dev)
+        row = local[src.clamp(max=local.numel() - 1)].masked_fill(src >= local.numel(), -1)
+        mine = row >= 0
+        bi, ri, src, row = bi[mine], ri[mine], src[mine], row[mine]
     targets = rollout.tokens[samples].to(dev)[bi, src + 1]
     support = rollout.support_ids[samples].to(dev)[bi, ri] if rollout.support_ids is not None else None
-    out = token_logp(hidden[bi, src], targets, temperature=rollout.sampling.logp_temperature, support_ids=support)
+    out = token_logp(hidden[bi, row], targets, temperature=rollout.sampling.logp_temperature, support_ids=support)
     into.add(samples.to(dev)[bi], ri, out)
 
 

@@ -24,7 +24,6 @@ import lockstep.kernels as K
 from lockstep.framework.provider.route import RouteRecord, compute_linear_logp, load_provider
 from lockstep.framework.provider.types import (LinearLogpContext, LinearLogpRequest, LinearLogpResult,
                                                LinearProjection, VocabPartition)
-from lockstep.kernels.collectives import tree_all_reduce
 
 LOCKSTEP_IMPL = "lockstep.kernels"
 TORCH_IMPL = "torch"
@@ -158,8 +157,6 @@ def torch_row_linear(x, weight, group=None):
     return _AllReduce.apply(out, group) if _tp_size(group) > 1 else out
 
 
-def lockstep_row_linear(x, weight, group=None):
-    return tree_all_reduce(K.linear(x, weight), group)
 
 
 def naive_linear_logp(hidden, weight, targets, *, bias=None, temperature=None, real_vocab_size=None,
@@ -256,14 +253,14 @@ def build_ops(selection: Selection, *, mode: str = "strict", provider: str = DEF
         return None if fn is None else counter.wrap(f"{module}.{op}", kernels_impl if use_r else TORCH_IMPL, fn)
 
     attention = AttentionOps(pick("attention", "linear", K.linear, F.linear),
-                             pick("attention", "row_linear", lockstep_row_linear, torch_row_linear),
+                             pick("attention", "row_linear", K.row_parallel_linear, torch_row_linear),
                              pick("attention", "rms_norm", K.rms_norm, torch_rms_norm),
                              pick("attention", "rope_cos_sin", K.rope_cos_sin, torch_rope_cos_sin),
                              pick("attention", "apply_rope", K.apply_rope, torch_apply_rope),
                              pick("attention", "attention", K.causal_attention, sdpa_attention),
                              pick("attention", "paged_attention", K.paged_attention, None))
     ffn = FFNOps(pick("ffn", "linear", K.linear, F.linear),
-                 pick("ffn", "row_linear", lockstep_row_linear, torch_row_linear),
+                 pick("ffn", "row_linear", K.row_parallel_linear, torch_row_linear),
                  pick("ffn", "rms_norm", K.rms_norm, torch_rms_norm),
                  pick("ffn", "silu_mul", K.silu_mul, torch_silu_mul))
     if selection.logp:

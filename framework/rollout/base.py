@@ -92,8 +92,8 @@ WAKE_ORDER = ("weights", "kv_cache")
 
 
 def device_memory() -> dict:
-    """GiB in use on this process's GPU (all processes) and this process's peak allocation since the
-    last call; {} without a GPU."""
+    """GiB in use on this process's GPU (all processes), allocated by this process now, and its peak
+    allocation since the last call; {} without a GPU."""
     import torch
 
     if not torch.cuda.is_available():
@@ -101,4 +101,4 @@ def device_memory() -> dict:
     free, total = torch.cuda.mem_get_info()
     peak = torch.cuda.max_memory_allocated() / 2**30
     torch.cuda.reset_peak_memory_stats()
-    return {"used_gib": (total - free) / 2**30, "peak_gib": peak}
+    return {"used_gib": (total - free) / 2**30, "allocated_gib": torch.cuda.memory_allocated() / 2**30, "peak_gib": peak}

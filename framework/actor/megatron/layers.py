@@ -14,6 +14,7 @@ Weight layout per TP rank (framework/actor/megatron/convert.py): linear_qkv hold
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -63,9 +64,50 @@ class NoCoreAttention(MegatronModule):
         raise RuntimeError("lockstep's megatron layer computes attention in LockstepTransformerLayer.forward")
 
 
+@dataclass
+class SequenceShard:
+    """Which positions of the sequence this rank's tokens are (context parallelism), set by the
+    actor before each forward. positions [s_local]: the absolute positions of the local tokens, in
+    order; cp_group None: the rank holds the whole sequence (positions 0..s-1)."""
+    positions: torch.Tensor | None = None
+    cp_group: object = None
+    order: torch.Tensor | None = None  # sorts every rank's keys, gathered in rank order, into position order
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Every CP rank's K (or V) [s_local, b, h, d] in rank order; the backward sums each rank's
+    gradient of the gathered tensor over the CP group and keeps this rank's part."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        import torch.distributed as dist
+
+        ctx.group, ctx.rank, ctx.n = group, dist.get_rank(group), t.shape[0]
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None
+
+
+def zigzag_positions(length: int, cp: int, rank: int) -> torch.Tensor:
+    """Load-balanced causal split: the sequence (padded to a multiple of 2 cp) in 2 cp chunks; rank r
+    holds chunks r and 2 cp - 1 - r, so every rank has as many early (cheap) as late (costly) queries."""
+    chunk = -(-length // (2 * cp))
+    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
 class LockstepTransformerLayer(TransformerLayer):
     ops: ModelOps = None  # bound by lockstep_block_spec
     rope_theta: float = None
+    shard: SequenceShard = None  # one per model, shared by its layers
 
     def forward(self, hidden_states, attention_mask=None, context=None, packed_seq_params=None,
                 attention_bias=None, inference_context=None, **_):
@@ -74,15 +116,20 @@ class LockstepTransformerLayer(TransformerLayer):
                                       "(no packed sequences, attention bias or inference context)")
         if self.config.sequence_parallel:
             raise NotImplementedError("lockstep's megatron actor does not run sequence parallelism yet")
-        ops, cfg = type(self).ops, self.config
+        ops, cfg, shard = type(self).ops, self.config, type(self).shard
         s, b = hidden_states.shape[:2]
         d = cfg.kv_channels
-        positions = torch.arange(s, device=hidden_states.device)
+        dev = hidden_states.device
+        cp_group = shard.cp_group if shard is not None else None
+        positions = shard.positions.to(dev) if cp_group is not None else torch.arange(s, device=dev)
         cos, sin = ops.attention.rope_cos_sin(positions[:, None].expand(s, b), d, type(self).rope_theta)
         scale = 1.0 / math.sqrt(d)
         q_pos = positions.expand(b, s)
 
         def core(q, k, v):  # [s, b, heads, d] -> megatron's [s, b] layout around the [b, s] op
+            if cp_group is not None:  # every key in position order: the same fixed KV blocks as CP 1
+                order = shard.order.to(dev)
+                k, v = (_GatherSequence.apply(t, cp_group)[order] for t in (k, v))
             out = ops.attention.attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), q_pos, scale)
             return out.transpose(0, 1)
 
@@ -105,12 +152,12 @@ class LockstepTransformerLayer(TransformerLayer):
                 MLPWeights(self.pre_mlp_layernorm.weight, gate, up, m.linear_fc2.weight))
 
 
-def lockstep_block_spec(ops: ModelOps, num_layers: int, rope_theta: float) -> TransformerBlockSubmodules:
+def lockstep_block_spec(ops: ModelOps, num_layers: int, rope_theta: float, shard: SequenceShard) -> TransformerBlockSubmodules:
     # megatron builds modules from classes: the ops travel as class attributes of subclasses
     final_norm = type("FinalRMSNorm_bound", (FinalRMSNorm,), {"op_rms_norm": staticmethod(ops.logp.rms_norm)})
     layer = ModuleSpec(
         module=type("LockstepTransformerLayer_bound", (LockstepTransformerLayer,),
-                    {"ops": ops, "rope_theta": float(rope_theta)}),
+                    {"ops": ops, "rope_theta": float(rope_theta), "shard": shard}),
         submodules=TransformerLayerSubmodules(
             input_layernorm=LockstepRMSNorm,
             self_attention=ModuleSpec(

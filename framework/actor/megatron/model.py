@@ -15,7 +15,7 @@ from megatron.core.transformer import TransformerConfig
 from lockstep.framework.actor.megatron.convert import (Qwen3Layout, global_param_names, globals_to_hf,
                                                        globals_to_megatron, layer_param_names, layer_to_hf,
                                                        layer_to_megatron)
-from lockstep.framework.actor.megatron.layers import lockstep_block_spec, tp_size
+from lockstep.framework.actor.megatron.layers import SequenceShard, lockstep_block_spec, tp_size, zigzag_positions
 from lockstep.framework.models.ops import ModelOps
 from lockstep.framework.models.qwen3 import Qwen3Config, hf_groups
 
@@ -51,11 +51,14 @@ def _hidden_passthrough(self, input_, weight=None, runtime_gather_output=None, *
 
 
 def build_model(cfg: Qwen3Config, ops: ModelOps, tp: int, dtype: str, device: str) -> GPTModel:
-    spec = lockstep_block_spec(ops, cfg.num_hidden_layers, cfg.rope_theta)
+    """The GPTModel; its `lockstep_shard` (a SequenceShard) says which positions a forward's tokens are."""
+    shard = SequenceShard()
+    spec = lockstep_block_spec(ops, cfg.num_hidden_layers, cfg.rope_theta, shard)
     model = GPTModel(transformer_config(cfg, tp, dtype, device), spec, vocab_size=cfg.vocab_size,
                      max_sequence_length=cfg.max_position_embeddings, position_embedding_type="none",
                      share_embeddings_and_output_weights=cfg.tie_word_embeddings, parallel_output=True)
     model.output_layer.forward = types.MethodType(_hidden_passthrough, model.output_layer)
+    model.lockstep_shard = shard
     return model.to(torch.device("cuda") if device == "cuda" else torch.device("cpu"))
 
 
@@ -83,9 +86,22 @@ def load_hf(model: GPTModel, source, cfg: Qwen3Config, tp: int, rank: int) -> No
         raise ValueError(f"HF -> megatron conversion left parameters unloaded: {missing[:5]}")
 
 
-def hidden_states(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
-    """tokens [b, s] (each row from position 0) -> final hidden states [b, s, h]."""
-    return model(input_ids=tokens, position_ids=None, attention_mask=None)
+def hidden_states(model: GPTModel, tokens: torch.Tensor, cp_group=None, cp: int = 1, cp_rank: int = 0):
+    """tokens [b, s] (each row from position 0) -> (final hidden states [b, s_local, h], positions
+    [s_local] they are of). With context parallelism (cp > 1) this rank runs only its share of the
+    sequence (layers.zigzag_positions; the sequence padded to a multiple of 2 cp), attending over
+    every rank's keys."""
+    shard = model.lockstep_shard
+    if cp == 1:
+        shard.cp_group, shard.positions = None, None
+        return model(input_ids=tokens, position_ids=None, attention_mask=None), torch.arange(tokens.shape[1])
+    length = tokens.shape[1]
+    positions = zigzag_positions(length, cp, cp_rank)
+    full = 2 * cp * (-(-length // (2 * cp)))
+    padded = torch.nn.functional.pad(tokens, (0, full - length))  # pad keys sit after every real query
+    shard.cp_group, shard.positions = cp_group, positions
+    shard.order = torch.cat([zigzag_positions(length, cp, r) for r in range(cp)]).argsort()
+    return model(input_ids=padded[:, positions.to(tokens.device)], position_ids=None, attention_mask=None), positions
 
 
 def lm_head_shard(model: GPTModel, tp_rank: int) -> tuple[torch.Tensor, int]:

@@ -4,10 +4,11 @@ Per rank: a Qwen3 GPTModel built from lockstep's layer spec (every op a lockstep
 DistributedDataParallel and distributed optimizer, dynamic micro-batching by max_tokens_per_gpu,
 GRPO with an optional frozen reference, and HF-named weights gathered over TP for the engines.
 
-Row ownership: data-parallel ranks own whole samples (strided), context-parallel ranks own the
-response tokens t with t % cp == cp_rank (every CP rank runs the full forward of its samples; CP is
-never a reduction axis of a logprob), tensor-parallel ranks hold vocab shards and compute the same
-logprobs through linear_logp's sharded merge. Each logprob is computed by exactly one rank and
+Row ownership: data-parallel ranks own whole samples (strided); context-parallel ranks each run a
+load-balanced share of every sequence (zigzag chunks; attention reads every rank's keys in position
+order, so a token's bits do not depend on the split) and score the tokens whose predicting hidden
+state they hold (CP is never a reduction axis of a logprob); tensor-parallel ranks hold vocab
+shards and compute the same logprobs through linear_logp's sharded merge. Each logprob is computed by exactly one rank and
 gathered; the loss is each rank's own tokens' share of the batch loss, so gradients reduced over
 DP x CP add up to the gradient of the whole batch.
 """
@@ -88,6 +89,7 @@ class MegatronActor(Actor):
         self.tp_group, self.tp = ps.get_tensor_model_parallel_group(), par["tp"]
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.cp, self.cp_rank = par["cp"], ps.get_context_parallel_rank()
+        self.cp_group = ps.get_context_parallel_group() if self.cp > 1 else None
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         if self.device == "cuda":
             from megatron.core import tensor_parallel
@@ -158,8 +160,9 @@ class MegatronActor(Actor):
         for group in micro_batches(lengths, self.max_tokens):
             idx = samples[group]
             width = max(lengths[g] for g in group)
-            hidden = hidden_states(model, rollout.tokens[idx, :width].to(dev))  # [b, s, h]
-            score_samples(out, hidden, rollout, idx, token_logp, cp_rank=self.cp_rank, cp=self.cp)
+            hidden, positions = hidden_states(model, rollout.tokens[idx, :width].to(dev), self.cp_group, self.cp,
+                                              self.cp_rank)  # [b, s_local, h]
+            score_samples(out, hidden, rollout, idx, token_logp, positions if self.cp > 1 else None)
         return out
 
     def _gather_owned(self, values: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
