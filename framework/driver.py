@@ -25,7 +25,7 @@ from lockstep.framework.rollout.sampling import sample_seed
 from lockstep.framework.summary import RunSummary
 from lockstep.framework.tracking.tracker import Tracker
 from lockstep.framework.weights.sync import sync_weights
-from lockstep.framework.workers import actor_world_size, spawn_actor, spawn_rollouts
+from lockstep.framework.workers import actor_world_size, engine_ranks, spawn_actor, spawn_rollouts
 
 RESOLVED_CONFIG = "config.yaml"
 log = logging.getLogger("lockstep")
@@ -73,7 +73,8 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep", overrides: tuple
 
     actor_res = Resources(cfg.actor.num_cpus, cfg.actor.num_gpus)
     with ray_cluster(), placed(actor_res, Resources(cfg.rollout.num_cpus, cfg.rollout.num_gpus),
-                               cfg.parallel.colocate, cfg.rollout.num_engines, actor_world_size(cfg)) as placement:
+                               cfg.parallel.colocate, cfg.rollout.num_engines, actor_world_size(cfg),
+                               engine_ranks(cfg)) as placement:
         actor = spawn_actor(cfg, placement, model_config, tokenizer)
         engines = spawn_rollouts(cfg, placement, model_config, tokenizer)
         gpu = Colocation(actor, engines, cfg)

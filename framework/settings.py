@@ -55,6 +55,13 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(str(e)) from None
     if not cfg.weights.bucket_mb > 0:
         raise ConfigError(f"weights.bucket_mb must be > 0, got {cfg.weights.bucket_mb}")
+    for role in ("actor", "rollout"):
+        if not cfg[role].num_cpus > 0:
+            raise ConfigError(f"{role}.num_cpus must be > 0 (a Ray resource; fractions share a core), got {cfg[role].num_cpus}")
+        if not isinstance(cfg[role].num_threads, int) or cfg[role].num_threads < 1:
+            raise ConfigError(f"{role}.num_threads must be an int >= 1 (torch threads), got {cfg[role].num_threads!r}")
+    if cfg.rollout.backend == "native":
+        _choice(cfg.rollout.tensor_parallel_size, (1, 2, 4, 8), "rollout.tensor_parallel_size")
     if cfg.rollout.num_engines < 1:
         raise ConfigError(f"rollout.num_engines must be >= 1, got {cfg.rollout.num_engines}")
     if cfg.rollout.backend == "vllm":

@@ -35,7 +35,7 @@ def spawn_actor(cfg: DictConfig, placement: Placement, model_config: dict, token
     common = dict(determinism=_determinism(cfg), real_vocab_size=tokenizer.vocab_size, weights=weights,
                   optim=OmegaConf.to_container(OmegaConf.create(optim), resolve=True),
                   algo={k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"},
-                  seed=cfg.seed, init_from=cfg.model.init_from, num_threads=a.num_cpus, dtype=cfg.model.dtype)
+                  seed=cfg.seed, init_from=cfg.model.init_from, num_threads=a.num_threads, dtype=cfg.model.dtype)
     resources = placement.options(placement.actor_bundle, Resources(a.num_cpus, a.num_gpus))
     if a.backend == "native":
         return ActorGroup([ray.remote(cls).options(**resources).remote(model_config, device=cfg.parallel.device, **common)])
@@ -49,10 +49,16 @@ def spawn_actor(cfg: DictConfig, placement: Placement, model_config: dict, token
     return ActorGroup(workers)
 
 
+def engine_ranks(cfg: DictConfig) -> int:
+    """Ray actors per engine: a native engine runs one per tensor-parallel rank (vLLM spawns its own)."""
+    return cfg.rollout.tensor_parallel_size if cfg.rollout.backend == "native" else 1
+
+
 def _engine_kwargs(cfg: DictConfig, index: int) -> dict:
     r = cfg.rollout
     if r.backend == "native":
-        return {"engine_index": index, "device": cfg.parallel.device, "dtype": cfg.model.dtype}
+        return {"engine_index": index, "device": cfg.parallel.device, "dtype": cfg.model.dtype,
+                "tensor_parallel_size": r.tensor_parallel_size}
     per_engine = -(-r.prompts_per_step // r.num_engines) * r.n_samples
     return {"engine_index": index, "tensor_parallel_size": r.tensor_parallel_size, "max_support": r.max_support,
             "max_batch": per_engine, "gpu_memory_utilization": r.gpu_memory_utilization,
@@ -62,9 +68,15 @@ def _engine_kwargs(cfg: DictConfig, index: int) -> dict:
 
 def spawn_rollouts(cfg: DictConfig, placement: Placement, model_config: dict, tokenizer) -> RolloutFleet:
     cls = ROLLOUTS.get(cfg.rollout.backend)
-    r = cfg.rollout
-    engines = [ray.remote(cls).options(**placement.options(bundle, Resources(r.num_cpus, r.num_gpus))).remote(
-        model_config, determinism=_determinism(cfg), real_vocab_size=tokenizer.vocab_size,
-        eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id, num_threads=r.num_cpus, **_engine_kwargs(cfg, i))
-        for i, bundle in enumerate(placement.rollout_bundles)]
+    r, ranks = cfg.rollout, engine_ranks(cfg)
+    engines = []
+    for i, bundle in enumerate(placement.rollout_bundles):
+        workers = [ray.remote(cls).options(**placement.options(bundle, Resources(r.num_cpus, r.num_gpus))).remote(
+            model_config, determinism=_determinism(cfg), real_vocab_size=tokenizer.vocab_size,
+            eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id, num_threads=r.num_threads,
+            **_engine_kwargs(cfg, i), **({"rank": k} if r.backend == "native" else {})) for k in range(ranks)]
+        if ranks > 1:  # rank 0 hosts the engine's process-group rendezvous
+            address, port = ray.get(workers[0].rendezvous.remote())
+            ray.get([w.setup.remote(address, port) for w in workers])
+        engines.append(workers)
     return RolloutFleet(engines, tokenizer.pad_id)

@@ -28,6 +28,8 @@ def tiled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a = a.contiguous()
     bt = b.t().contiguous()  # a no-op for a transposed nn.Linear weight
     m = a.shape[0]
+    if m == 0:
+        return a @ bt.t()  # empty, and attached to autograd like any product
     pad = (-m) % ROW_TILE
     if pad:
         a = F.pad(a, (0, 0, 0, pad))

@@ -74,7 +74,16 @@ def _rank(rank, world, port, tp, cp, out):
         numel.append(int(m.sum()))
         actor.train(ro, (ro.response_lens % 2).float(), torch.arange(len(PROMPTS)).repeat_interleave(3), lp.logp)
         sync_weights(actor, receive)
-    result.update(mismatches=mismatches, numel=numel)
+    # replicated parameters (the norms) stay equal on every TP rank: a gradient summed over TP
+    # everywhere a replicated tensor enters sharded compute
+    diverged = []
+    for name, p in actor.model.named_parameters():
+        if "norm" in name and tp > 1:
+            parts = [torch.empty_like(p) for _ in range(tp)]
+            dist.all_gather(parts, p.detach().contiguous(), group=actor.tp_group)
+            if not all(torch.equal(parts[0], q) for q in parts):
+                diverged.append(name)
+    result.update(mismatches=mismatches, numel=numel, diverged=diverged)
     torch.save(result, os.path.join(out, f"{tp}x{cp}-{rank}.pt"))
 
 
@@ -121,6 +130,7 @@ def test_every_layout_stays_bitwise_with_the_engine_over_steps(layouts):
     for layout, ranks in results.items():
         r0 = ranks[0]
         assert all(n > 0 for n in r0["numel"]) and r0["mismatches"] == [0] * STEPS, (layout, r0["mismatches"])
+        assert not any(r["diverged"] for r in ranks), (layout, [r["diverged"] for r in ranks])
 
 
 def test_context_parallelism_halves_the_activations(layouts):
@@ -154,3 +164,21 @@ def test_emulated_tp_equals_tp1_at_qwen3_8b_shapes(k, n, m):
         assert torch.equal(K.row_parallel_linear(x[:1], w)[0], tp1[0])  # and row 0 alone
     ref = (x.double() @ w.double().t())
     assert float((tp1.double() - ref).abs().max()) <= 0.02 * float(ref.abs().max()) + 1e-3
+
+
+# ---- the CLI on a 2-core machine: multi-rank layouts placed with fractional Ray CPUs -------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    ["actor=megatron", "parallel.tp=2", "rollout.tensor_parallel_size=2"],  # megatron TP2 vs a native TP2 engine
+    ["actor=megatron", "parallel.cp=2", "rollout=vllm"],  # megatron CP2 vs vLLM
+    ["rollout.tensor_parallel_size=2"],  # the native actor vs a native TP2 engine
+], ids=["megatron-tp2/native-tp2", "megatron-cp2/vllm", "native/native-tp2"])
+def test_multi_rank_runs_from_the_cli(ray_session, tmp_path, overrides):
+    from lockstep.framework.tracking.jsonl import read_jsonl
+    from lockstep.launch import cli
+
+    assert cli.main(["run", "tiny-cpu", *overrides, "trainer.steps=3", f"hydra.run.dir={tmp_path}",
+                     "logger.progress=false", "logger.wandb.enabled=false", "trainer.save_final=false"]) == 0
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert len(rows) == 3 and all(r["consistency/mismatch_count"] == 0 and r["consistency/numel"] > 0 for r in rows)

@@ -23,6 +23,10 @@ class BatchLogp:
         self.logp = torch.zeros(shape, device=device)
         self.entropy = torch.zeros(shape, device=device) if with_entropy else None
         self.owned = torch.zeros(shape, dtype=torch.bool, device=device)
+        # 0 that depends on every hidden state scored from: added to a loss, it keeps the backward
+        # running through every layer on every rank (collectives inside must meet) even where a
+        # rank owns no token of a micro-batch
+        self.anchor = torch.zeros((), device=device)
 
     def add(self, samples: torch.Tensor, positions: torch.Tensor, out) -> None:
         self.logp = self.logp.index_put((samples, positions), out.logp)
@@ -39,6 +43,8 @@ def score_samples(into: BatchLogp, hidden: torch.Tensor, rollout: Rollout, sampl
     positions hidden holds (context parallelism: this rank's share), default 0..s-1; a token is
     scored by the rank that holds the hidden state predicting it."""
     dev = hidden.device
+    if hidden.requires_grad:
+        into.anchor = into.anchor + hidden.sum() * 0.0
     mask = rollout.response_mask()[samples].to(dev)
     bi, ri = mask.nonzero(as_tuple=True)
     src = rollout.prompt_lens[samples].to(dev)[bi] + ri - 1  # the state at src predicts the token at src + 1

@@ -138,11 +138,38 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
 
+# Tensor parallelism of the native model (an engine's ranks): which HF weights are sharded how
+_ROW_SHARDED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.gate_proj.weight",
+                "mlp.up_proj.weight")  # output rows: heads / intermediate channels
+_COL_SHARDED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # input columns: row-parallel
+
+
+def tp_shard(name: str, t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """Rank `rank`'s part of the HF tensor `name` in a TP-`tp` native model (embeddings, norms and
+    the LM head are replicated)."""
+    if tp == 1:
+        return t
+    if name.endswith(_ROW_SHARDED):
+        n = t.shape[0] // tp
+        return t[rank * n:(rank + 1) * n]
+    if name.endswith(_COL_SHARDED):
+        n = t.shape[1] // tp
+        return t[:, rank * n:(rank + 1) * n]
+    return t
+
+
+def check_tp(cfg: Qwen3Config, tp: int) -> None:
+    for what, n in (("attention heads", cfg.num_attention_heads), ("KV heads", cfg.num_key_value_heads),
+                    ("intermediate size", cfg.intermediate_size)):
+        if n % tp:
+            raise ValueError(f"tensor parallel size {tp} must divide the model's {what} ({n})")
+
+
 class KVCache:
     """Contiguous per-layer cache [B, max_len, Hkv, D]; token t of row b lives at [b, pos]."""
 
-    def __init__(self, cfg: Qwen3Config, batch: int, max_len: int, dtype=torch.float32, device=None):
-        shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    def __init__(self, cfg: Qwen3Config, batch: int, max_len: int, dtype=torch.float32, device=None, tp: int = 1):
+        shape = (batch, max_len, cfg.num_key_value_heads // tp, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
 
@@ -154,32 +181,32 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: Qwen3Config, tp: int = 1):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = Linear(h, cfg.num_attention_heads * d)
-        self.k_proj = Linear(h, cfg.num_key_value_heads * d)
-        self.v_proj = Linear(h, cfg.num_key_value_heads * d)
-        self.o_proj = Linear(cfg.num_attention_heads * d, h)
+        self.q_proj = Linear(h, cfg.num_attention_heads // tp * d)
+        self.k_proj = Linear(h, cfg.num_key_value_heads // tp * d)
+        self.v_proj = Linear(h, cfg.num_key_value_heads // tp * d)
+        self.o_proj = Linear(cfg.num_attention_heads // tp * d, h)
         self.q_norm = RMSNorm(d)
         self.k_norm = RMSNorm(d)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: Qwen3Config, tp: int = 1):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size // tp)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size // tp)
+        self.down_proj = Linear(cfg.intermediate_size // tp, cfg.hidden_size)
 
 
 class DecoderLayer(nn.Module):
     """HF's parameter layout; the math is models/layer.py's decoder_layer."""
 
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: Qwen3Config, tp: int = 1):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
 
@@ -192,20 +219,28 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: Qwen3Config, tp: int = 1):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size)
 
 
 class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, cfg: Qwen3Config, ops: ModelOps):
+    def __init__(self, cfg: Qwen3Config, ops: ModelOps, tp_group=None):
+        """tp_group: the process group of a tensor-parallel engine's ranks (None: unsharded); each
+        rank holds its heads and intermediate channels (tp_shard), the row-parallel projections are
+        reduced by the ops' row_linear, the embeddings and LM head are replicated."""
         super().__init__()
+        import torch.distributed as dist
+
+        self.tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+        self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+        check_tp(cfg, self.tp)
         self.config, self.ops = cfg, ops
-        self.model = Qwen3Model(cfg)
+        self.model = Qwen3Model(cfg, self.tp)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.geometry = LayerGeometry(cfg.head_dim, cfg.rms_norm_eps)
+        self.geometry = LayerGeometry(cfg.head_dim, cfg.rms_norm_eps, tp_group if self.tp > 1 else None)
 
     # ---- weights -------------------------------------------------------------------------------
     def init_weights(self, seed: int) -> None:

@@ -32,15 +32,25 @@ def merge_rollouts(parts: list[Rollout], rows_of_part: list[list[int]], pad_id: 
 
 
 class RolloutFleet:
-    def __init__(self, engines: list, pad_id: int):
+    """engines[e]: the Ray actors of engine e, one per rank (a tensor-parallel native engine has
+    several: every call goes to all of them, rank 0 answers)."""
+
+    def __init__(self, engines: list[list], pad_id: int):
         self.engines, self.pad_id = engines, pad_id
+
+    def _all(self, method: str, *args) -> list:
+        """method on every rank of every engine -> rank 0's answer per engine."""
+        refs = [[getattr(w, method).remote(*args) for w in ranks] for ranks in self.engines]
+        return [ray.get(r)[0] for r in refs]
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[list[int]]) -> Rollout:
         n = len(self.engines)
         dealt = [list(range(e, len(prompts), n)) for e in range(n)]
         dealt = [d for d in dealt if d]
-        refs = [self.engines[e].generate.remote([prompts[i] for i in d], sampling, [seeds[i] for i in d])
-                for e, d in enumerate(dealt)]
+        calls = [[w.generate.remote([prompts[i] for i in d], sampling, [seeds[i] for i in d]) for w in self.engines[e]]
+                 for e, d in enumerate(dealt)]
+        refs = [c[0] for c in calls]
+        ray.get([r for c in calls for r in c[1:]])
         # global row of each sample: prompt-major, len(seeds[i]) samples per prompt
         first = [0]
         for s in seeds:
@@ -49,20 +59,20 @@ class RolloutFleet:
         return merge_rollouts(ray.get(refs), rows, self.pad_id)
 
     def receive_bucket(self, bucket_ref) -> list[dict]:
-        """Every engine takes one bucket of a weight sync (weights/sync.py); their timings."""
-        return ray.get([e.receive_bucket.remote(bucket_ref) for e in self.engines])
+        """Every rank of every engine takes one bucket of a weight sync (weights/sync.py); the timings."""
+        return ray.get([w.receive_bucket.remote(bucket_ref) for ranks in self.engines for w in ranks])
 
     def sleep(self) -> list[str]:
         """Colocated mode: release the engines' device memory (KV cache, weights) for training."""
-        return ray.get([e.sleep.remote() for e in self.engines])
+        return self._all("sleep")
 
     def wake(self, what: str) -> list[str]:
-        return ray.get([e.wake.remote(what) for e in self.engines])
+        return self._all("wake", what)
 
     def memory(self) -> dict:
         """The GPU memory of the engines (the largest)."""
-        found = [m for m in ray.get([e.memory.remote() for e in self.engines]) if m]
+        found = [m for m in self._all("memory") if m]
         return {k: max(m[k] for m in found) for k in found[0]} if found else {}
 
     def write_readbacks(self, run_dir: str) -> None:
-        ray.get([e.write_readback.remote(run_dir) for e in self.engines])
+        ray.get([w.write_readback.remote(run_dir) for ranks in self.engines for w in ranks])

@@ -4,6 +4,12 @@ Prefill runs every prompt at once (right-padded, positions from 0); decode then 
 row one token per step. The logprob of each sampled token is computed by the model's
 `token_logp` (lockstep.kernels.linear_logp in lockstep modes) on the final hidden state of the
 row that produced it, with the same temperature and support the trainer will use.
+
+Tensor parallelism (`rollout.tensor_parallel_size`): an engine is that many ranks (Ray actors
+joined by a process group, set up in two phases as the megatron actor's); each holds its heads and
+intermediate channels and every rank runs every call: the row-parallel projections meet in
+lockstep's canonical reduction, so each rank holds the same hidden states, samples the same tokens
+from the same seeds, and rank 0 answers.
 """
 from __future__ import annotations
 
@@ -11,8 +17,9 @@ import torch
 
 from lockstep.framework.actor.offload import DeviceOffload, gpu_tensors
 from lockstep.framework.consistency.readback import readback, write_readback
+from lockstep.framework.placement import rendezvous_address
 from lockstep.framework.models.ops import ops_for_side
-from lockstep.framework.models.qwen3 import KVCache, Qwen3Config, Qwen3ForCausalLM
+from lockstep.framework.models.qwen3 import KVCache, Qwen3Config, Qwen3ForCausalLM, hf_groups, tp_shard
 from lockstep.framework.rollout.base import Rollout, RolloutEngine, SamplingParams
 from lockstep.framework.rollout.faults import check_fault, faulty_logp
 from lockstep.framework.rollout.sampling import pad_supports, sample_row
@@ -21,17 +28,34 @@ from lockstep.framework.weights.sync import Bucket, WeightReceiver
 
 class NativeRolloutEngine(RolloutEngine):
     def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, eos_ids: list[int], pad_id: int,
-                 num_threads: int = 1, engine_index: int = 0, device: str = "cpu", dtype: str = "float32"):
+                 num_threads: int = 1, engine_index: int = 0, device: str = "cpu", dtype: str = "float32",
+                 tensor_parallel_size: int = 1, rank: int = 0):
         torch.set_num_threads(num_threads)
         self.device, self.dtype = torch.device(device), getattr(torch, dtype)
         self.inject_fault = check_fault(determinism.get("inject_fault", "none"))
         self.ops, self.engine_index = ops_for_side(determinism, "rollout"), engine_index
         self.cfg = Qwen3Config(**model_config)
-        self.model = Qwen3ForCausalLM(self.cfg, self.ops).to(self.device, self.dtype).eval().requires_grad_(False)
         self.real_vocab_size, self.pad_id = real_vocab_size, pad_id
         self.eos_ids = torch.tensor(list(eos_ids), device=self.device)
-        self.receiver = WeightReceiver(list(self.model.hf_state_dict()))
+        self.tp, self.rank = tensor_parallel_size, rank
         self._offload: DeviceOffload | None = None
+        if self.tp == 1:
+            self._build(None)
+
+    # ---- set-up of a tensor-parallel engine (rank 0 names the rendezvous, every rank joins) ------
+    def rendezvous(self) -> tuple[str, int]:
+        return rendezvous_address()
+
+    def setup(self, address: str, port: int) -> None:
+        import torch.distributed as dist
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank, world_size=self.tp)
+        self._build(dist.group.WORLD)
+
+    def _build(self, tp_group) -> None:
+        self.model = Qwen3ForCausalLM(self.cfg, self.ops, tp_group).to(self.device, self.dtype).eval().requires_grad_(False)
+        self.receiver = WeightReceiver([n for g in hf_groups(self.cfg) for n in g])
 
     @property
     def version(self) -> int:
@@ -51,19 +75,25 @@ class NativeRolloutEngine(RolloutEngine):
         return "woken: weights re-allocated for the sync"
 
     def write_readback(self, run_dir: str) -> str:
-        return write_readback(run_dir, readback(self.ops, side="rollout", backend="native", instance=self.engine_index))
+        return write_readback(run_dir, readback(self.ops, side="rollout", backend="native", rank=self.rank,
+                                                instance=self.engine_index))
 
     # ---- weights -------------------------------------------------------------------------------
     def receive_bucket(self, bucket: Bucket) -> dict:
+        """Every rank takes every bucket and keeps its shard of each tensor; a sharded rank's
+        parameters are not the bucket's tensors, so only an unsharded engine checksums them after
+        loading (reported as load_post_load_checked)."""
         params = self.model.hf_state_dict(keep_vars=True)
 
         @torch.no_grad()
         def load(named):
             for name, t in named:
-                params[name].copy_(t)
+                params[name].copy_(tp_shard(name, t, self.model.tp_rank, self.model.tp))
 
-        return self.receiver.receive(bucket, load, lambda names: [(n, params[n].detach()) for n in names],
-                                     device=self.device)
+        def loaded(names):
+            return [(n, params[n].detach()) for n in names] if self.model.tp == 1 else None
+
+        return self.receiver.receive(bucket, load, loaded, device=self.device)
 
     # ---- generation ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -85,7 +115,7 @@ class NativeRolloutEngine(RolloutEngine):
             tokens[i, : len(p)] = torch.tensor(p)
         tokens, prompt_lens = tokens.to(dev), prompt_lens.to(dev)
 
-        cache = KVCache(self.cfg, b, max_len, dtype=self.dtype, device=dev)
+        cache = KVCache(self.cfg, b, max_len, dtype=self.dtype, device=dev, tp=self.model.tp)
         lp = int(prompt_lens.max())
         hidden = self.model(tokens[:, :lp], torch.arange(lp, device=dev).expand(b, lp), cache)
         last = hidden[torch.arange(b, device=dev), prompt_lens - 1]  # [B, H]: the state that predicts token 0

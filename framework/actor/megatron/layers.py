@@ -5,7 +5,7 @@ optimizer): the spec builds megatron's own TransformerLayer / SelfAttention / ML
 column- and row-parallel linears. They hold the weights only; the layer's forward is
 `LockstepTransformerLayer.forward`, which hands views of those weights to the shared definition
 (framework/models/layer.py) with the trainer's ops, megatron's [s, b] layout as the attention core
-and the TP plumbing (megatron's copy-to-TP-region on column-parallel inputs; the row-parallel
+and the TP plumbing (gradients summed over TP where column-parallel inputs enter; the row-parallel
 reduction is the ops' own `row_linear`).
 
 Weight layout per TP rank (framework/actor/megatron/convert.py): linear_qkv holds [q_r; k_r; v_r]
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -34,6 +33,30 @@ from lockstep.framework.models.ops import ModelOps
 
 def tp_size(group) -> int:
     return 1 if group is None else torch.distributed.get_world_size(group)
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over the TP group: where a replicated tensor
+    enters TP-sharded computation (column-parallel inputs, the final hidden states before the
+    vocab-sharded logprob), each rank's gradient is only its shard's part. (megatron's
+    copy_to_tensor_model_parallel_region does this too, but its all-reduce works on a
+    `.contiguous()` copy and returns the unreduced input when the gradient arrives non-contiguous,
+    as a transposed one does.)"""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_grad_over_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return _SumGradOverTP.apply(x, group) if tp_size(group) > 1 else x
 
 
 class LockstepRMSNorm(torch.nn.Module):
@@ -136,8 +159,7 @@ class LockstepTransformerLayer(TransformerLayer):
         group = self.self_attention.linear_qkv.tp_group
         sharded = tp_size(group) > 1
         geometry = LayerGeometry(d, cfg.layernorm_epsilon, group if sharded else None,
-                                 (lambda x: copy_to_tensor_model_parallel_region(x, group=group)) if sharded
-                                 else (lambda x: x))
+                                 lambda x: sum_grad_over_tp(x, group))
         return decoder_layer(hidden_states, *self.weights(), ops, cos, sin, core, geometry), context
 
     def weights(self) -> tuple[AttentionWeights, MLPWeights]:

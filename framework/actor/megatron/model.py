@@ -9,13 +9,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer import TransformerConfig
 
 from lockstep.framework.actor.megatron.convert import (Qwen3Layout, global_param_names, globals_to_hf,
                                                        globals_to_megatron, layer_param_names, layer_to_hf,
                                                        layer_to_megatron)
-from lockstep.framework.actor.megatron.layers import SequenceShard, lockstep_block_spec, tp_size, zigzag_positions
+from lockstep.framework.actor.megatron.layers import SequenceShard, lockstep_block_spec, sum_grad_over_tp, zigzag_positions
 from lockstep.framework.models.ops import ModelOps
 from lockstep.framework.models.qwen3 import Qwen3Config, hf_groups
 
@@ -45,9 +44,7 @@ def _hidden_passthrough(self, input_, weight=None, runtime_gather_output=None, *
     linear_logp on (hidden, LM-head shard), never from full logits. As the column-parallel LM head
     would, it sums the hidden states' gradients over TP (each rank's vocab shard contributes its
     own part)."""
-    if tp_size(self.tp_group) > 1:
-        input_ = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
-    return input_, None
+    return sum_grad_over_tp(input_, self.tp_group), None
 
 
 def build_model(cfg: Qwen3Config, ops: ModelOps, tp: int, dtype: str, device: str) -> GPTModel:

@@ -15,7 +15,6 @@ DP x CP add up to the gradient of the whole batch.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import torch
@@ -26,16 +25,11 @@ from lockstep.framework.actor.logp import BatchLogp, score_samples, warmup_lr
 from lockstep.framework.algo.grpo import LOSS_STATS, GRPOConfig, group_advantages, grpo_loss
 from lockstep.framework.consistency.readback import readback, write_readback
 from lockstep.framework.models.ops import ops_for_side
+from lockstep.framework.placement import rendezvous_address
 from lockstep.framework.models.hf import CheckpointReader
 from lockstep.framework.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, group_bytes, write_checkpoint
 from lockstep.framework.rollout.base import Rollout
 from lockstep.framework.weights.sync import Bucket, WeightSender
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -72,7 +66,7 @@ class MegatronActor(Actor):
 
     # ---- set-up (two phases: rank 0 names the rendezvous, then every rank joins it) -------------
     def rendezvous(self) -> tuple[str, int]:
-        return socket.gethostbyname(socket.gethostname()), free_port()
+        return rendezvous_address()
 
     def setup(self, address: str, port: int) -> None:
         from megatron.core import parallel_state as ps
@@ -212,7 +206,7 @@ class MegatronActor(Actor):
                     ref_logp = self._logp_of(self.ref, rollout, mine, False).logp
             loss, stats = grpo_loss(cur.logp, old_logp, adv, mask, self.algo, ref_logp, rows=rows, owned=cur.owned,
                                     entropy=cur.entropy)
-            (loss * scale).backward()
+            ((loss + cur.anchor) * scale).backward()
             finalize_model_grads([self.ddp])
             lr = warmup_lr(self.args["optim"], self.optim_steps)
             for g in self.optimizer.param_groups:
