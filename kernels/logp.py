@@ -55,11 +55,14 @@ def _safe(m: torch.Tensor) -> torch.Tensor:
 
 
 def _scale(z: torch.Tensor, temperature) -> torch.Tensor:
+    """z / temperature, always as a division by a per-row fp32 tensor: a Python-float divisor takes
+    another kernel on CUDA (a multiplication by its reciprocal), which rounds differently, so a caller
+    passing 0.7 and one passing a tensor of 0.7s would part by an ulp."""
     if temperature is None:
         return z
-    if isinstance(temperature, torch.Tensor):
-        return z / temperature.float().reshape(-1, *([1] * (z.dim() - 1)))
-    return z / float(temperature)
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=z.device)
+    t = t.expand(z.shape[0]) if t.dim() == 0 else t
+    return z / t.reshape(-1, *([1] * (z.dim() - 1)))
 
 
 def _state(z: torch.Tensor, with_entropy: bool):

@@ -33,18 +33,26 @@ def _reference_subtree(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> tor
     return tree_sum_ranks([tiled_mm(xf[:, lo:lo + chunk], wf[:, lo:lo + chunk].t()) for lo in range(0, x.shape[1], chunk)])
 
 
+def _reference_local(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:
+    return _reference_subtree(x, weight, chunk).to(x.dtype)
+
+
 _subtree = KernelOp("row_subtree", _reference_subtree, "splitk:row_subtree_op",
                     fake=lambda x, weight, chunk: x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32))
+# Unsharded, the whole tree and the rounding to x's dtype are one op: a compiled graph (vLLM's) must
+# not fuse the rounding away into the residual add that follows (Inductor skips such casts).
+_local = KernelOp("row_local", _reference_local, "splitk:row_local_op",
+                  fake=lambda x, weight, chunk: x.new_empty(x.shape[0], weight.shape[0]))
 
 
 def _reduce(x2d: torch.Tensor, weight: torch.Tensor, group, chunk: int) -> torch.Tensor:
-    root = _subtree(x2d, weight, chunk)  # this rank's subtree root, fp32
     tp, _ = _tp(group)
-    if tp > 1:
-        parts = [torch.empty_like(root) for _ in range(tp)]
-        dist.all_gather(parts, root.contiguous(), group=group)
-        root = tree_sum_ranks(parts)
-    return root.to(x2d.dtype)
+    if tp == 1:
+        return _local(x2d, weight, chunk)
+    root = _subtree(x2d, weight, chunk)  # this rank's subtree root, fp32
+    parts = [torch.empty_like(root) for _ in range(tp)]
+    dist.all_gather(parts, root.contiguous(), group=group)
+    return tree_sum_ranks(parts).to(x2d.dtype)
 
 
 def _tp(group) -> tuple[int, int]:

@@ -311,3 +311,25 @@ def test_gpu_gradients_vs_fp32_qwen3():
     refs = torch.autograd.grad((_fp32_naive(h32, w32, targets)[0] * g).sum(), (h32, w32))
     for got, ref in zip(grads, refs):
         assert (got.float() - ref).abs().max() <= 2**-6 * ref.abs().max()
+
+
+@pytest.mark.gpu
+def test_linear_logp_is_captured_in_a_cuda_graph():
+    """No host sync inside linear_logp: a CUDA graph captures it, and its replays on new inputs (the
+    static buffers refilled) give the eager bits."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(64, 512, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(4096, 512, device="cuda", generator=g) * 0.05).bfloat16()
+    targets = torch.randint(0, 4000, (64,), device="cuda", generator=g)
+    with K.using_backend("triton"):
+        K.linear_logp(hidden, weight, targets, real_vocab_size=4000)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = K.linear_logp(hidden, weight, targets, real_vocab_size=4000, temperature=0.7)
+        for seed in (1, 2):
+            gen = torch.Generator(device="cuda").manual_seed(seed)
+            hidden.copy_(torch.randn(hidden.shape, device="cuda", generator=gen).bfloat16())
+            targets.copy_(torch.randint(0, 4000, (64,), device="cuda", generator=gen))
+            graph.replay()
+            eager = K.linear_logp(hidden, weight, targets, real_vocab_size=4000, temperature=0.7)
+            assert torch.equal(out.logp, eager.logp)

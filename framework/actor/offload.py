@@ -31,8 +31,8 @@ def gpu_tensors(*objects) -> list[torch.Tensor]:
                 g = getattr(o, attr, None)
                 if isinstance(g, torch.Tensor):
                     visit(g)
-        elif isinstance(o, torch.nn.Module):
-            for t in list(o.parameters()) + list(o.buffers()):
+        elif isinstance(o, torch.nn.Module):  # nn.Module's own methods: megatron's DDP has a `buffers` list
+            for t in list(torch.nn.Module.parameters(o)) + list(torch.nn.Module.buffers(o)):
                 visit(t)
         elif isinstance(o, torch.optim.Optimizer):
             for group in o.param_groups:

@@ -58,7 +58,10 @@ def engine_kwargs(device: str, *, tensor_parallel_size: int, max_model_len: int,
             kwargs["attention_backend"] = "CUSTOM"  # the plugin registered lockstep's backend under it
         if not enforce_eager:
             kwargs["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY",
-                                            "cudagraph_capture_sizes": list(range(1, max_batch + 1))}
+                                            "cudagraph_capture_sizes": list(range(1, max_batch + 1)),
+                                            # keep every rounding the eager code does (Inductor would fuse
+                                            # a downcast into the next op and skip it)
+                                            "inductor_compile_config": {"emulate_precision_casts": True}}
     return kwargs
 
 

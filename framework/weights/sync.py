@@ -140,7 +140,8 @@ class WeightReceiver:
             raise WeightSyncError(f"weight update version {bucket.version}: {bucket.describe()} arrived to load "
                                   f"before the update was verified")
         t0 = time.perf_counter()
-        named = unpack(open_payload(bucket.payload, device), bucket.layout)
+        flat = open_payload(bucket.payload, device)
+        named = unpack(flat, bucket.layout)
         t1 = time.perf_counter()
         actual = checksum(named)
         t2 = time.perf_counter()
@@ -172,6 +173,8 @@ class WeightReceiver:
         if checked and checksum(after) != bucket.checksum:
             raise WeightChecksumError(f"weights after loading {bucket.describe()} of version {bucket.version} do not "
                                       f"hash to {bucket.checksum}: the engine's load changed them")
+        if flat.is_cuda:  # the sender reuses the buffer for its next bucket once we answer
+            torch.cuda.synchronize(flat.device)
         timings.update(load=t3 - t2, post_verify=time.perf_counter() - t3, post_load_checked=float(checked))
         if bucket.index == bucket.count - 1:
             self.version, self._verified_version, self.consistent = bucket.version, None, True

@@ -81,3 +81,14 @@ def row_subtree_op(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.T
 @row_subtree_op.register_fake
 def _(x, weight, chunk):
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("lockstep::row_local", mutates_args=())
+def row_local_op(x: torch.Tensor, weight: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Unsharded: the whole canonical tree, rounded to x's dtype, in one op."""
+    return row_subtree_op(x, weight, chunk).to(x.dtype)
+
+
+@row_local_op.register_fake
+def _(x, weight, chunk):
+    return x.new_empty(x.shape[0], weight.shape[0])
