@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lockstep.framework import settings
 from lockstep.framework.consistency.compare import compare_logp, raise_on_mismatch
+from lockstep.framework.consistency.record import write_record
 from lockstep.framework.data.dataset import PromptSampler, load_records
 from lockstep.framework.data.rewards import get_reward_fn
 from lockstep.framework.data.tokenizer import tokenizer_for
@@ -81,6 +82,7 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep", overrides: tuple
         gpu.sync(PhaseTimer())  # version 0
         tracker = Tracker(run_dir, OmegaConf.to_container(cfg.logger, resolve=True),
                           OmegaConf.to_container(cfg, resolve=True), cfg.trainer.steps, name)
+        recorded = None  # the first mismatching step's record (consistency/record.py)
         try:
             for step in range(1, cfg.trainer.steps + 1):
                 timer, t_step = PhaseTimer(), time.perf_counter()
@@ -99,10 +101,17 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep", overrides: tuple
                 report = compare_logp(rollout.logp, recomputed.logp, rollout.response_mask(),
                                       rollout.response_tokens(), cfg.logger.worst_tokens)
                 metrics = {**rollout_metrics(rollout, rewards, timer), **report.metrics()}
+                hint = ""
+                if report.mismatch_count and cfg.determinism.record_mismatch and recorded is None:
+                    with timer("record"):
+                        recorded = write_record(run_dir, step, rollout, recomputed.logp, actor.save_weights,
+                                                tokenizer.vocab_size)
+                    hint = f" Recorded in {recorded}: lockstep bisect {run_dir} --step {step} names the first op that differs."
+                    log.warning("step %d: %d logprobs differ;%s", step, report.mismatch_count, hint)
                 if settings.stops_on_mismatch(cfg) and report.mismatch_count:
                     tracker.log_step(step, {**metrics, **timer}, worst_rows(report, tokenizer))
                     summary.add(step, metrics)
-                    raise_on_mismatch(report, step)
+                    raise_on_mismatch(report, step, hint)
                 with timer("train"):
                     train_metrics = actor.train(rollout, rewards, group, recomputed.logp)
                 gpu.sync(timer)

@@ -21,6 +21,23 @@ def _choice(value, valid, key: str):
         raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
 
 
+def _check_stock_ops(cfg: DictConfig) -> None:
+    from lockstep.framework.models.ops import SIDES, Selection
+
+    stock = cfg.determinism.get("stock_ops") or {}
+    extra = sorted(set(stock) - set(SIDES))
+    if extra:
+        raise ConfigError(f"determinism.stock_ops.{extra[0]}: not a side; valid: {', '.join(SIDES)}")
+    for side in SIDES:
+        try:
+            Selection.for_side(OmegaConf.to_container(cfg.determinism, resolve=True), side)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if cfg.rollout.backend == "vllm" and "attention.attention" in (stock.get("rollout") or ()):
+        raise ConfigError("determinism.stock_ops.rollout=[attention.attention] with rollout=vllm: vLLM's attention "
+                          "core is its attention backend (the paged op); determinism.attention=0 picks vLLM's own")
+
+
 def validate(cfg: DictConfig) -> None:
     from lockstep.framework.models.ops import CASES
     from lockstep.framework.provider.route import MODES
@@ -36,6 +53,7 @@ def validate(cfg: DictConfig) -> None:
         _choice(det[module], (0, 1), f"determinism.{module}")
     _choice(det.on_mismatch, ON_MISMATCH, "determinism.on_mismatch")
     _choice(det.inject_fault, FAULTS, "determinism.inject_fault")
+    _check_stock_ops(cfg)
     _choice(cfg.parallel.device, DEVICES, "parallel.device")
     _choice(cfg.model.dtype, DTYPES, "model.dtype")
     if cfg.actor.backend == "megatron" and cfg.parallel.pp != 1:
@@ -66,6 +84,14 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"rollout.num_engines must be >= 1, got {cfg.rollout.num_engines}")
     if cfg.rollout.backend == "vllm":
         _choice(cfg.rollout.enforce_eager, ("auto", True, False), "rollout.enforce_eager")
+        from lockstep.framework.models.ops import Selection
+
+        tp = cfg.rollout.tensor_parallel_size
+        if tp > 1 and Selection.for_side(OmegaConf.to_container(det, resolve=True), "rollout").any:
+            raise ConfigError(f"rollout.tensor_parallel_size={tp} with rollout=vllm: lockstep's kernels run in "
+                              "unsharded vLLM engines only for now (a sharded R module needs lockstep's fixed-order "
+                              "TP reduction inside vLLM); use rollout.tensor_parallel_size=1 with more "
+                              "rollout.num_engines, rollout=native (TP engines), or determinism=off")
     if cfg.trainer.steps < 1:
         raise ConfigError(f"trainer.steps must be >= 1, got {cfg.trainer.steps}")
     if cfg.rollout.prompts_per_step < 1:

@@ -6,6 +6,9 @@
   lockstep validate RUN_DIR                  check a run's gates; seal it COMPLETE
   lockstep report SWEEP_DIR                  the ablation table of a sweep (markdown + CSV)
   lockstep init-model --like M --out DIR     a random-init HF Qwen3 directory (with a tokenizer)
+  lockstep plan RECIPE [KEY=VALUE ...]       check a topology; print the placement and memory per GPU
+  lockstep dashboard [--dry-run]             save the W&B mismatch workspace (or print its spec)
+  lockstep bisect RUN_DIR --step N           replay a recorded sample on both sides: the first op that differs
 """
 from __future__ import annotations
 
@@ -85,6 +88,9 @@ USAGE = """usage: lockstep run RECIPE [-m] [--cfg job|hydra|all [--resolve]] [KE
        lockstep recipes
        lockstep validate RUN_DIR | lockstep report SWEEP_DIR
        lockstep init-model --like MODEL --out DIR [--seed N] [KEY=VALUE ...]
+       lockstep plan RECIPE [--gpu-gib G] [KEY=VALUE ...]
+       lockstep dashboard [--entity E] [--project P] [--dry-run]
+       lockstep bisect RUN_DIR --step N [--sample S]
 
   run       run a recipe with Hydra overrides, e.g.
               lockstep run tiny-cpu rollout.n_samples=4 determinism=off
@@ -92,7 +98,10 @@ USAGE = """usage: lockstep run RECIPE [-m] [--cfg job|hydra|all [--resolve]] [KE
               lockstep run tiny-cpu -m determinism=strict,off seed=1,2
             --cfg job prints the composed config instead of running
   recipes   list the recipes with one line each
-  init-model  write a random-init HF Qwen3 checkpoint shaped like a model group (lockstep init-model -h)"""
+  init-model  write a random-init HF Qwen3 checkpoint shaped like a model group (lockstep init-model -h)
+  plan      check a recipe's topology and print the placement and memory per GPU (no GPU needed)
+  dashboard the W&B workspace for mismatch (--dry-run prints its spec)
+  bisect    replay a sample a run recorded (determinism.record_mismatch) on both sides, op by op"""
 
 _HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p"}
 _HYDRA_FLAGS = {"--resolve", "--info", "-i"}
@@ -129,6 +138,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[0] == "run":
         return _run(*_parse_run(argv[1:]))
+    if argv[0] == "plan":
+        from lockstep.launch.plan import main as plan
+
+        return plan(argv[1:])
+    if argv[0] == "dashboard":
+        from lockstep.launch.dashboard import main as dashboard
+
+        return dashboard(argv[1:])
+    if argv[0] == "bisect":
+        from lockstep.launch.bisect import main as bisect
+
+        return bisect(argv[1:])
     if argv[0] == "init-model":
         from lockstep.launch.init_model import main as init_model
 

@@ -31,6 +31,9 @@ def test_tiny_cpu_strict_short_run(ray_session, tmp_path):
         missing = [k for k in REQUIRED if k not in r]
         assert not missing, missing
     assert rows[-1]["rollout/weights_version"] == 3  # one sync per step, verified each time
+    from lockstep.launch.dashboard import spec  # the dashboard plots what runs log (memory: colocated GPUs only)
+    plotted = {y for sec in spec(None, "p", "n")["sections"] for p in sec["panels"] for y in p.get("y", [])}
+    assert not {k for k in plotted if "_gib" not in k} - rows[-1].keys()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps_completed"] == 4
     assert (tmp_path / "config.yaml").read_text().count("${") == 0  # resolved

@@ -16,3 +16,26 @@ def test_ci_runs_the_readme_test_command():
 def test_shipped_synthetic_tasks_match_their_generator():
     for name in TASKS:
         assert task_path(name).read_text() == render(name), "regenerate with python -m lockstep.framework.data.synthetic"
+
+
+def test_the_dockerfile_pins_what_pyproject_pins():
+    import re
+    import tomllib
+
+    docker = (ROOT / "Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", docker, re.M))
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pins = {}
+    for reqs in extras.values():
+        for req in reqs:
+            m = re.match(r"([\w.-]+)(?:\[[\w,]+\])?==([\w.]+)(?:; python_version >= '3.12')?$", req)
+            if m:
+                pins.setdefault(m.group(1), set()).add(m.group(2))
+    for package, arg in (("vllm", "VLLM_VERSION"), ("megatron-core", "MEGATRON_CORE_VERSION"), ("triton", "TRITON_VERSION"),
+                         ("flash-attn", "FLASH_ATTN_VERSION"), ("transformer-engine", "TRANSFORMER_ENGINE_VERSION")):
+        assert args[arg] in pins[package], f"Dockerfile {arg}={args[arg]}, pyproject pins {package} {pins[package]}"
+    assert 'pip install -e ".[vllm,megatron,triton,production]"' in docker
+    torch = re.search(r"^FROM pytorch/pytorch:(\d+\.\d+)", docker, re.M).group(1)
+    from lockstep.framework.rollout.vllm_plugin import TESTED_VLLM_VERSIONS
+
+    assert args["VLLM_VERSION"] in TESTED_VLLM_VERSIONS and torch == "2.11"  # vLLM 0.26 is built for torch 2.11

@@ -70,4 +70,8 @@ class Actor(abc.ABC):
     def save(self, path: str) -> None: ...
 
     @abc.abstractmethod
+    def save_weights(self, path: str) -> None:
+        """The model alone as an HF directory (no optimizer state): `lockstep bisect`'s record."""
+
+    @abc.abstractmethod
     def load(self, path: str) -> None: ...

@@ -47,5 +47,8 @@ class ActorGroup:
     def save(self, path: str) -> None:
         ray.get(self._all("save", path))
 
+    def save_weights(self, path: str) -> None:
+        ray.get(self._all("save_weights", path))
+
     def write_readbacks(self, run_dir: str) -> None:
         ray.get(self._all("write_readback", run_dir))

@@ -62,6 +62,23 @@ def score_samples(into: BatchLogp, hidden: torch.Tensor, rollout: Rollout, sampl
     into.add(samples.to(dev)[bi], ri, out)
 
 
+def model_logp(model, rollout: Rollout, samples: torch.Tensor, *, real_vocab_size: int,
+               with_entropy: bool) -> BatchLogp:
+    """The native Qwen3 model's teacher-forced logprobs of `samples` (the native actor's scoring, and
+    the trainer side of `lockstep bisect`'s replay)."""
+    dev = next(model.parameters()).device
+    tokens = rollout.tokens[samples].to(dev)
+    b, length = tokens.shape
+    hidden = model(tokens, torch.arange(length, device=dev).expand(b, length))
+    out = BatchLogp(rollout, dev, with_entropy)
+
+    def token_logp(h, targets, **kw):
+        return model.token_logp(h, targets, real_vocab_size=real_vocab_size, with_entropy=with_entropy, **kw)
+
+    score_samples(out, hidden, rollout, samples, token_logp)
+    return out
+
+
 def warmup_lr(optim: dict, step: int) -> float:
     """The learning rate of optimizer step `step` (0-based): linear warm-up over optim.warmup_steps."""
     return optim["lr"] * min(1.0, (step + 1) / max(1, int(optim.get("warmup_steps", 0))))

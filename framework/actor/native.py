@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from lockstep.framework.actor.base import Actor, LogpResult
-from lockstep.framework.actor.logp import BatchLogp, score_samples, warmup_lr
+from lockstep.framework.actor.logp import BatchLogp, model_logp, warmup_lr
 from lockstep.framework.algo.grpo import LOSS_STATS, GRPOConfig, group_advantages, grpo_loss
 from lockstep.framework.consistency.readback import readback, write_readback
 from lockstep.framework.models.ops import ops_for_side
@@ -53,17 +53,7 @@ class NativeActor(Actor):
 
     # ---- logprobs ------------------------------------------------------------------------------
     def _logp(self, model, rollout: Rollout, samples: torch.Tensor, with_entropy: bool) -> BatchLogp:
-        dev = self.device
-        tokens = rollout.tokens[samples].to(dev)
-        b, length = tokens.shape
-        hidden = model(tokens, torch.arange(length, device=dev).expand(b, length))
-        out = BatchLogp(rollout, dev, with_entropy)
-
-        def token_logp(h, targets, **kw):
-            return model.token_logp(h, targets, real_vocab_size=self.real_vocab_size, with_entropy=with_entropy, **kw)
-
-        score_samples(out, hidden, rollout, samples, token_logp)
-        return out
+        return model_logp(model, rollout, samples, real_vocab_size=self.real_vocab_size, with_entropy=with_entropy)
 
     def compute_logp(self, rollout: Rollout) -> LogpResult:
         if rollout.weights_version != self.version:
@@ -122,8 +112,11 @@ class NativeActor(Actor):
     def sync_done(self) -> None:
         self.sender.release()
 
-    def save(self, path: str) -> None:
+    def save_weights(self, path: str) -> None:
         self.model.save_pretrained(path)
+
+    def save(self, path: str) -> None:
+        self.save_weights(path)
         torch.save({"optimizer": self.optimizer.state_dict(), "optim_steps": self.optim_steps,
                     "version": self.version}, Path(path) / STATE_FILE)
 

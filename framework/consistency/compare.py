@@ -73,7 +73,7 @@ def compare_logp(rollout_logp: torch.Tensor, train_logp: torch.Tensor, mask: tor
                              float(diff[mask].mean()) if n else 0.0, k3, first, worst)
 
 
-def raise_on_mismatch(report: ConsistencyReport, step: int) -> None:
+def raise_on_mismatch(report: ConsistencyReport, step: int, hint: str = "") -> None:
     if report.mismatch_count:
         f = report.first_mismatch
         raise LockstepMismatchError(
@@ -81,4 +81,4 @@ def raise_on_mismatch(report: ConsistencyReport, step: int) -> None:
             f"and trainer (max |diff| {report.max_abs_diff:.3g}); first at sample {f.sample}, "
             f"response position {f.position} (token {f.token}): rollout {f.rollout_logp!r} vs "
             f"trainer {f.train_logp!r}. This mode stops on a mismatch; determinism.on_mismatch=report "
-            f"only reports it.")
+            f"only reports it.{hint}")

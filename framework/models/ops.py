@@ -7,8 +7,11 @@ Three modules can each run the lockstep kernels (R) or stock torch ops (P):
   logp       final norm, LM head: sampling logits and the token logprob
 The logprob of module logp=R goes through the linear-logp provider under the determinism mode's
 rules (framework/provider/route.py); P calls the naive path directly. `determinism.mode=off` is
-P everywhere. Every slot is wrapped by a counter (`ModelOps.counter`) and the logp route keeps a
-record (`ModelOps.record`): the readbacks (framework/consistency/readback.py) report both.
+P everywhere. `determinism.stock_ops.<side>` lists single slots (e.g. attention.attention, the
+attention core) that run the stock op on that side inside an R module: finer arms for ablations
+and `lockstep bisect`. Every slot is wrapped by a counter (`ModelOps.counter`; its `tap`, when set,
+sees every op's output: bisect's activation hashes) and the logp route keeps a record
+(`ModelOps.record`): the readbacks (framework/consistency/readback.py) report both.
 """
 from __future__ import annotations
 
@@ -32,12 +35,20 @@ SIDES = ("trainer", "rollout")
 MODULES = ("attention", "ffn", "logp")
 
 
+# every op slot `determinism.stock_ops` may name (the paged core has no stock op: vLLM's stock
+# attention is its own backend, chosen with determinism.attention=0)
+STOCK_SLOTS = ("attention.linear", "attention.row_linear", "attention.rms_norm", "attention.rope_cos_sin",
+               "attention.apply_rope", "attention.attention", "ffn.linear", "ffn.row_linear", "ffn.rms_norm",
+               "ffn.silu_mul", "logp.rms_norm", "logp.linear")
+
+
 @dataclass(frozen=True)
 class Selection:
-    """Which modules of one side run the lockstep kernels."""
+    """Which modules of one side run the lockstep kernels, and single slots kept stock in them."""
     attention: bool
     ffn: bool
     logp: bool
+    stock: frozenset = frozenset()
 
     @classmethod
     def for_side(cls, determinism: dict, side: str) -> "Selection":
@@ -49,7 +60,11 @@ class Selection:
         if case not in CASES:
             raise ValueError(f"determinism.case={case!r}; valid: {', '.join(CASES)} (trainer/rollout)")
         uses_r = case.split("/")[SIDES.index(side)] == "R"
-        return cls(*(uses_r and bool(determinism[m]) for m in MODULES))
+        stock = frozenset((determinism.get("stock_ops") or {}).get(side) or ())
+        bad = sorted(stock - set(STOCK_SLOTS))
+        if bad:
+            raise ValueError(f"determinism.stock_ops.{side}: {bad} not op slots; valid: {', '.join(STOCK_SLOTS)}")
+        return cls(*(uses_r and bool(determinism[m]) for m in MODULES), stock)
 
     def letters(self) -> dict[str, str]:
         return {m: "R" if getattr(self, m) else "P" for m in MODULES}
@@ -202,6 +217,7 @@ class OpCounter:
     def __init__(self):
         self.calls: Counter = Counter()
         self.impl: dict[str, str] = {}
+        self.tap: Callable[[str, object], None] | None = None  # (slot, output) after every call
 
     def wrap(self, key: str, impl: str, fn: Callable) -> Callable:
         self.impl[key] = impl
@@ -209,7 +225,10 @@ class OpCounter:
 
         def counted(*args, **kwargs):
             self.calls[key] += 1  # inside a torch.compile trace: once, when traced
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+            if self.tap is not None:
+                self.tap(key, out)
+            return out
 
         return counted
 
@@ -248,7 +267,7 @@ def build_ops(selection: Selection, *, mode: str = "strict", provider: str = DEF
     kernels_impl = f"{LOCKSTEP_IMPL}[{K.get_backend()}]"
 
     def pick(module: str, op: str, lockstep_fn: Callable | None, torch_fn: Callable | None) -> Callable | None:
-        use_r = getattr(selection, module)
+        use_r = getattr(selection, module) and f"{module}.{op}" not in selection.stock
         fn = lockstep_fn if use_r else torch_fn
         return None if fn is None else counter.wrap(f"{module}.{op}", kernels_impl if use_r else TORCH_IMPL, fn)
 

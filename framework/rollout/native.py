@@ -104,35 +104,65 @@ class NativeRolloutEngine(RolloutEngine):
         dev = self.device
         rows = [p for p, s in zip(prompts, seeds) for _ in s]
         gens = [torch.Generator(device=dev).manual_seed(int(s)) for ss in seeds for s in ss]
-        b = len(rows)
         prompt_lens = torch.tensor([len(p) for p in rows])
-        max_len = int(prompt_lens.max()) + sampling.max_new_tokens
-        if max_len > self.cfg.max_position_embeddings:
-            raise ValueError(f"prompt + max_new_tokens = {max_len} exceeds max_position_embeddings "
-                             f"{self.cfg.max_position_embeddings}")
-        tokens = torch.full((b, max_len), self.pad_id, dtype=torch.long)
+        tokens = torch.full((len(rows), int(prompt_lens.max()) + sampling.max_new_tokens), self.pad_id, dtype=torch.long)
         for i, p in enumerate(rows):
             tokens[i, : len(p)] = torch.tensor(p)
-        tokens, prompt_lens = tokens.to(dev), prompt_lens.to(dev)
 
-        cache = KVCache(self.cfg, b, max_len, dtype=self.dtype, device=dev, tp=self.model.tp)
+        def pick(logits, r):
+            picked = [sample_row(logits[i], sampling, gens[i]) for i in range(len(rows))]
+            nxt = torch.tensor([t for t, _ in picked], device=dev)
+            return nxt, pad_supports([s for _, s in picked]).to(dev) if sampling.restricts_support else None
+
+        return self._decode(tokens, prompt_lens, sampling, pick, lambda nxt, r: torch.isin(nxt, self.eos_ids))
+
+    @torch.inference_mode()
+    def replay(self, rollout: Rollout) -> torch.Tensor:
+        """Teacher-forced generation of a recorded rollout: the batch generate ran, its sampled
+        tokens and supports fed back instead of drawn. The logprobs [B, R] this engine reports for
+        them (the rollout side of `lockstep bisect`)."""
+        ro, dev = rollout, self.device
+        b, r_max = ro.logp.shape
+        tokens = torch.full((b, int(ro.prompt_lens.max()) + ro.sampling.max_new_tokens), self.pad_id, dtype=torch.long)
+        tokens[:, : ro.tokens.shape[1]] = ro.tokens
+        response, alive = ro.response_tokens().to(dev), ro.response_mask().to(dev)
+
+        def pick(logits, r):
+            if ro.support_ids is None:
+                return response[:, r], None
+            width = max(1, int((ro.support_ids[:, r] >= 0).sum(1).max()))  # generate padded each step's supports
+            return response[:, r], ro.support_ids[:, r, :width].to(dev)
+
+        out = self._decode(tokens, ro.prompt_lens, ro.sampling, pick,
+                           lambda nxt, r: ~alive[:, r + 1] if r + 1 < r_max else torch.ones_like(alive[:, 0]))
+        return out.logp
+
+    def _decode(self, tokens, prompt_lens, sampling: SamplingParams, pick, ends) -> Rollout:
+        """The generation loop. tokens [B, prompt + max_new_tokens]: the prompts, right-padded.
+        pick(logits [B, V], r) -> (the ids of response token r [B], their supports [B, k] | None);
+        ends(ids, r) -> [B] bool: those ids end their rows."""
+        dev = self.device
+        b = tokens.shape[0]
+        if tokens.shape[1] > self.cfg.max_position_embeddings:
+            raise ValueError(f"prompt + max_new_tokens = {tokens.shape[1]} exceeds max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
+        tokens, prompt_lens = tokens.to(dev), prompt_lens.to(dev)
+        cache = KVCache(self.cfg, b, tokens.shape[1], dtype=self.dtype, device=dev, tp=self.model.tp)
         lp = int(prompt_lens.max())
         hidden = self.model(tokens[:, :lp], torch.arange(lp, device=dev).expand(b, lp), cache)
         last = hidden[torch.arange(b, device=dev), prompt_lens - 1]  # [B, H]: the state that predicts token 0
         pos = prompt_lens.clone()  # where each row's next token goes
         alive = torch.ones(b, dtype=torch.bool, device=dev)
         step_logp, step_support, step_alive = [], [], []
-        for _ in range(sampling.max_new_tokens):
+        for r in range(sampling.max_new_tokens):
             logits = self.model.logits(last)
             logits[:, self.real_vocab_size:] = float("-inf")
-            picked = [sample_row(logits[i], sampling, gens[i]) for i in range(b)]
-            nxt = torch.tensor([t for t, _ in picked], device=dev)
-            support = pad_supports([s for _, s in picked]).to(dev) if sampling.restricts_support else None
+            nxt, support = pick(logits, r)
             step_logp.append(self._token_logp(last, nxt, sampling, support))
             step_support.append(support)
             step_alive.append(alive.clone())
             tokens[alive, pos[alive]] = nxt[alive]
-            still = alive & ~torch.isin(nxt, self.eos_ids)
+            still = alive & ~ends(nxt, r)
             if not still.any():
                 break
             # Feed each new token at its own position; finished rows recompute their last slot and

@@ -259,6 +259,9 @@ class MegatronActor(Actor):
         return write_readback(run_dir, readback(self.ops, side="trainer", backend="megatron", rank=self.rank))
 
     def save(self, path: str) -> None:
+        self.save_weights(path)  # the optimizer state is not saved (no resume for this actor yet)
+
+    def save_weights(self, path: str) -> None:
         """An HF directory written by rank 0 as the layers are gathered (never the whole model at once)."""
         groups = (self._hf_groups([g]) for g in range(self.cfg.num_hidden_layers + 1))
         named = (t for group in groups for t in group)
