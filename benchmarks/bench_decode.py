@@ -82,7 +82,7 @@ def row_parallel_table() -> list[str]:
     with K.using_backend("triton"):
         for name, k in (("o_proj K=4096", 4096), ("down K=12288", 12288)):
             w = (torch.randn(H, k, device="cuda", generator=g) * 0.02).bfloat16()
-            for m in (1, 8, 64, 256, 1024, 4096, 8192):
+            for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192):
                 x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
                 t_cublas = bench(lambda: F.linear(x, w))
                 t_ours = bench(lambda: K.row_parallel_linear(x, w))

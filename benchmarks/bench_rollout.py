@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -154,18 +155,29 @@ def main() -> None:
         for config in args.configs.split(","):
             cmd = [sys.executable, __file__, "--child", config, "--shape", shape, "--native-new-8b", str(args.native_new_8b)]
             t0 = time.perf_counter()
+            # its own session: a timed-out config's vLLM engine-core process dies with it (else it keeps
+            # the GPU's memory and every later config fails to start)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-                lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+                stdout, stderr = proc.communicate(timeout=args.timeout)
+                if args.out:  # each config's own log, for the root cause of a failure
+                    Path(args.out).with_suffix(f".{shape}-{config}.log").write_text(stdout + stderr)
+                lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
                 r = json.loads(lines[-1][7:]) if lines else {"config": config, "shape": shape,
-                                                             "error": (proc.stderr or proc.stdout)[-300:]}
+                                                             "error": (stderr or stdout)[-300:]}
                 import re
 
-                seen = re.findall(r"Using (?:AttentionBackendEnum\.)?(\w+) (?:attention )?backend", proc.stderr + proc.stdout)
+                seen = re.findall(r"Using (?:AttentionBackendEnum\.)?(\w+) (?:attention )?backend", stderr + stdout)
                 if seen:
                     r["note"] = (r.get("note", "") + f" attention backend {seen[-1]}").strip()
             except subprocess.TimeoutExpired:
                 r = {"config": config, "shape": shape, "error": f"timed out after {args.timeout} s"}
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
             r["wall_s"] = time.perf_counter() - t0
             rows.append(r)
             print(json.dumps(r), flush=True)

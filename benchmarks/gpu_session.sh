@@ -15,21 +15,15 @@
 #   e2e_vllm    qwen3-1.7b-1gpu rollout=vllm, strict and off (top_p 0.9, temperature 0.7)
 #   e2e_ckpt    init-model --like qwen3-1.7b, then qwen3-1.7b from it: native engine, then vLLM (strict)
 #   rollout     benchmarks/bench_rollout.py (stock vLLM, batch-invariant, lockstep, native)
-#   decode      benchmarks/bench_decode.py (where a strict decode step spends its time)
+#   decode      benchmarks/bench_decode.py (where a strict decode step spends its time; split-K vs cuBLAS)
+#               (decode and kernels need only torch and triton: no carried wheels)
 #   kernels     benchmarks/kernels.py (all kernel tables)
 set -uo pipefail
 OUT=${OUT:-/tmp/lockstep-out}
 mkdir -p "$OUT"
 SITE=/tmp/site-a
 
-need_site() {
-  if [ ! -f $SITE/.installed ]; then
-    [ -d .gpu-wheels/a ] || { echo "wheels .gpu-wheels/a not carried and $SITE not installed"; exit 1; }
-    rm -rf $SITE
-    python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE .gpu-wheels/a/*.whl > "$OUT/install.log" 2>&1 \
-      || { tail -20 "$OUT/install.log"; exit 1; }
-    touch $SITE/.installed
-  fi
+link_lockstep() {
   # lockstep's folders are mapped into the lockstep.* namespace by setup.py; here, by links, and vLLM
   # finds the plugin's entry point only in installed metadata
   mkdir -p $SITE/lockstep $SITE/lockstep_rl-0.1.0.dist-info
@@ -39,6 +33,17 @@ need_site() {
     > $SITE/lockstep_rl-0.1.0.dist-info/entry_points.txt
   export PYTHONPATH=$SITE:/tmp/site:$PWD/benchmarks:$PWD/tests:${PYTHONPATH:-}
   export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 LOCKSTEP_REQUIRE_OPTIONAL=1
+}
+
+need_site() {  # Ray, Hydra, megatron-core (carried wheels), then lockstep
+  if [ ! -f $SITE/.installed ]; then
+    [ -d .gpu-wheels/a ] || { echo "wheels .gpu-wheels/a not carried and $SITE not installed"; exit 1; }
+    rm -rf $SITE
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE .gpu-wheels/a/*.whl > "$OUT/install.log" 2>&1 \
+      || { tail -20 "$OUT/install.log"; exit 1; }
+    touch $SITE/.installed
+  fi
+  link_lockstep
   python3 -c "import hydra.core, omegaconf, ray, megatron.core, pytest" || { echo "carried wheels do not import"; exit 1; }
 }
 
@@ -69,8 +74,8 @@ for stage in "$@"; do
              tail -30 "$OUT/e2e_ckpt.md" "$OUT/e2e_ckpt_vllm.md" ;;
     rollout) need_site; timeout 590 python3 benchmarks/bench_rollout.py "$OUT/rollout.md" ${ROLLOUT_ARGS:-} > "$OUT/rollout.log" 2>&1
              tail -20 "$OUT/rollout.log" ;;
-    decode)  need_site; timeout 300 python3 benchmarks/bench_decode.py "$OUT/decode.md" > "$OUT/decode.log" 2>&1; tail -40 "$OUT/decode.log" ;;
-    kernels) need_site; timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
+    decode)  link_lockstep; timeout 300 python3 benchmarks/bench_decode.py "$OUT/decode.md" > "$OUT/decode.log" 2>&1; tail -40 "$OUT/decode.log" ;;
+    kernels) link_lockstep; timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
     *)       echo "unknown stage $stage"; rc=2 ;;
   esac
 done

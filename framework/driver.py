@@ -6,6 +6,7 @@ strict mode any mismatch stops the run there.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,19 +33,70 @@ RESOLVED_CONFIG = "config.yaml"
 log = logging.getLogger("lockstep")
 
 
+class WorkerDied(RuntimeError):
+    """A Ray worker process (actor rank or engine) died: which one, when, and Ray's account of it."""
+
+
+def worker_died(e: "ray.exceptions.RayActorError", step: int, phase: str | None) -> WorkerDied:
+    text = str(e)
+    field = dict(re.findall(r"^\t(class_name|pid): (\S+)$", text, re.M))
+    who = f"{field.get('class_name', 'a Ray worker')}" + (f" (pid {field['pid']})" if "pid" in field else "")
+    when = f"step {step}" + (f", phase {phase}" if phase else "")
+    return WorkerDied(f"{who} died in {when}. Ray says: {text}")
+
+
 class PhaseTimer(dict):
+    phase: str | None = None  # the phase running (or the last one entered)
+
     @contextmanager
     def __call__(self, phase: str):
+        self.phase = phase
         t0 = time.perf_counter()
         yield
         self[f"perf/{phase}_s"] = self.get(f"perf/{phase}_s", 0.0) + time.perf_counter() - t0
 
 
+def ray_address(address: str, timeout_s: float) -> str:
+    """The GCS address `ray.address` names (auto: RAY_ADDRESS, else the address file of the latest
+    local cluster), once it answers; an error naming it when nothing listens there in timeout_s."""
+    import os
+    import socket
+    import tempfile
+
+    source = f"ray.address={address}"
+    if address == "auto":
+        file = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        if os.environ.get("RAY_ADDRESS"):
+            address, source = os.environ["RAY_ADDRESS"], f"ray.address=auto (RAY_ADDRESS={os.environ['RAY_ADDRESS']})"
+        elif file.exists():
+            address, source = file.read_text().strip(), f"ray.address=auto ({file}: {file.read_text().strip()})"
+        else:
+            raise ConnectionError(f"ray.address=auto: no running cluster (no RAY_ADDRESS, no {file}); start one with "
+                                  "`ray start --head`, or leave ray.address unset for a fresh local cluster")
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=min(2.0, timeout_s)).close()
+            return address
+        except (OSError, ValueError) as e:
+            if time.monotonic() >= deadline or isinstance(e, ValueError):
+                raise ConnectionError(f"{source}: no Ray cluster answers at {address} within ray.connect_timeout_s="
+                                      f"{timeout_s:g} ({type(e).__name__}: {e}); a cluster left behind dead? "
+                                      "`ray stop`, or leave ray.address unset for a fresh local cluster") from None
+            time.sleep(0.5)
+
+
 @contextmanager
-def ray_cluster():
+def ray_cluster(address: str | None = None, timeout_s: float = 30.0):
+    """A fresh local Ray cluster for this process (address unset: never one left behind by another
+    run), or the existing cluster `address` names (auto, host:port, ray://host:port)."""
     started = not ray.is_initialized()
     if started:
-        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=True)
+        if address is None:
+            ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=True)
+        else:
+            ray.init(address=ray_address(str(address), timeout_s), logging_level="ERROR", log_to_driver=True)
     try:
         yield
     finally:
@@ -73,7 +125,7 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep", overrides: tuple
     summary = RunSummary(run_dir, cfg.determinism.mode, cfg.trainer.steps)
 
     actor_res = Resources(cfg.actor.num_cpus, cfg.actor.num_gpus)
-    with ray_cluster(), placed(actor_res, Resources(cfg.rollout.num_cpus, cfg.rollout.num_gpus),
+    with ray_cluster(cfg.ray.address, cfg.ray.connect_timeout_s), placed(actor_res, Resources(cfg.rollout.num_cpus, cfg.rollout.num_gpus),
                                cfg.parallel.colocate, cfg.rollout.num_engines, actor_world_size(cfg),
                                engine_ranks(cfg)) as placement:
         actor = spawn_actor(cfg, placement, model_config, tokenizer)
@@ -83,6 +135,7 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep", overrides: tuple
         tracker = Tracker(run_dir, OmegaConf.to_container(cfg.logger, resolve=True),
                           OmegaConf.to_container(cfg, resolve=True), cfg.trainer.steps, name)
         recorded = None  # the first mismatching step's record (consistency/record.py)
+        step, timer = 0, PhaseTimer()
         try:
             for step in range(1, cfg.trainer.steps + 1):
                 timer, t_step = PhaseTimer(), time.perf_counter()
@@ -123,15 +176,28 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep", overrides: tuple
                 actor.save(str(run_dir / "checkpoint"))
                 tokenizer.save(run_dir / "checkpoint")
             summary.finish("completed")
+        except ray.exceptions.RayActorError as e:  # a worker process died: say which, and when
+            err = worker_died(e, step, timer.phase)
+            summary.finish("failed", error=f"WorkerDied: {err}")
+            raise err from e
         except BaseException as e:
             summary.finish("failed", error=f"{type(e).__name__}: {e}")
             raise
         finally:
             tracker.close(summary.status == "completed")
-            # Evidence of what ran, from every worker, whatever happened (the validator needs it).
-            actor.write_readbacks(str(run_dir))
-            engines.write_readbacks(str(run_dir))
+            collect_readbacks(run_dir, actor, engines)
     return summary
+
+
+def collect_readbacks(run_dir: Path, actor, engines) -> None:
+    """Evidence of what ran, from every worker, whatever happened (the validator needs it). A worker
+    that died writes none: that is logged and the validator's readbacks gate reports the gap, so
+    collecting never replaces the run's own first error with a secondary one."""
+    for who, workers in (("actor", actor), ("rollout engines", engines)):
+        try:
+            workers.write_readbacks(str(run_dir))
+        except Exception as e:  # noqa: BLE001 - a dead worker's RayActorError, whatever the worker
+            log.warning("readbacks: the %s wrote none (%s: %s)", who, type(e).__name__, str(e).splitlines()[0])
 
 
 class Colocation:

@@ -69,11 +69,18 @@ def _run(args, passthrough: list[str]) -> int:
         + passthrough + [SEARCHPATH_OVERRIDE] + args.overrides
     from lockstep.framework.driver import ray_cluster
 
+    knobs = dict(o.split("=", 1) for o in args.overrides if o.startswith(("ray.address=", "ray.connect_timeout_s=")))
+    address = knobs.get("ray.address")
+    address = None if address in (None, "null", "") else address
     try:
-        with ray_cluster() if args.multirun and not passthrough else contextlib.nullcontext():
+        cluster = ray_cluster(address, float(knobs.get("ray.connect_timeout_s", 30)))
+        with cluster if args.multirun and not passthrough else contextlib.nullcontext():
             _job()  # a sweep's arms share one Ray cluster
     except SystemExit as e:  # Hydra exits on its own errors (after printing them)
         return int(e.code or 1) if not isinstance(e.code, str) else 1
+    except ConnectionError as e:  # a sweep's cluster (ray.address) did not answer
+        print(f"lockstep: {e}", file=sys.stderr)
+        return 1
     failed = [d for d, status in _results if status != "completed"]
     if args.multirun:
         print(f"\nlockstep: sweep finished, {len(_results) - len(failed)}/{len(_results)} runs completed")

@@ -89,3 +89,67 @@ def test_multirun_sweep(ray_session, tmp_path):
     assert len(runs) == 2
     modes = sorted(json.loads((r / "summary.json").read_text())["mode"] for r in runs)
     assert modes == ["off", "strict"]
+
+
+def test_a_dead_engine_is_the_error_the_user_sees(ray_session, tmp_path, capsys):
+    """The engine's process is killed mid-run: the CLI fails with the engine's death, not with the
+    secondary failure of collecting its readback; the run dir says so."""
+    import threading
+    import time
+
+    import psutil
+
+    def kill_engine_after_step_1():
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            metrics = tmp_path / "metrics.jsonl"
+            if metrics.exists() and metrics.read_text().endswith("\n"):  # step 1 logged
+                for p in psutil.Process().children(recursive=True):  # this session's Ray workers only
+                    if any("ray::NativeRolloutEngine" in c for c in p.cmdline()):
+                        p.kill()
+                        return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_engine_after_step_1)
+    killer.start()
+    rc = _run(tmp_path, "trainer.steps=30", *QUIET)
+    killer.join()
+    assert rc == 1
+    err = capsys.readouterr().err
+    failure = next(line for line in err.splitlines() if line.startswith("lockstep: run failed:"))
+    assert failure.startswith("lockstep: run failed: WorkerDied: NativeRolloutEngine (pid "), failure
+    assert __import__("re").search(r"died in step \d+, phase (rollout|weight_sync)\. Ray says: ", failure), failure
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith("WorkerDied: NativeRolloutEngine")
+    assert 1 <= summary["steps_completed"] < 30
+    assert "the rollout engines wrote none" in (tmp_path / "lockstep.log").read_text()
+
+
+def test_ray_address_is_explicit(tmp_path, monkeypatch):
+    """Unset: a fresh local cluster even where RAY_ADDRESS (or a stale address file) points at a
+    dead one; set: a dead address fails within ray.connect_timeout_s, naming it."""
+    import subprocess
+    import sys
+    import time
+
+    from lockstep.framework.driver import ray_address
+
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=r"ray.address=127.0.0.1:9: no Ray cluster answers at 127.0.0.1:9 "
+                                              r"within ray.connect_timeout_s=1"):
+        ray_address("127.0.0.1:9", 1.0)
+    assert time.monotonic() - t0 < 10
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")
+    with pytest.raises(ConnectionError, match=r"ray.address=auto \(RAY_ADDRESS=127.0.0.1:9\)"):
+        ray_address("auto", 0.5)
+    code = ("import ray\nfrom lockstep.framework.driver import ray_cluster\n"
+            "with ray_cluster():\n    print('cpus', ray.cluster_resources()['CPU'])\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0 and "cpus" in out.stdout, out.stderr[-2000:]
+    assert time.monotonic() - t0 < 90  # not minutes of retrying the dead address
+    out = subprocess.run([sys.executable, "-m", "lockstep.launch.cli", "run", "tiny-cpu", f"hydra.run.dir={tmp_path / 'run'}",
+                          "ray.address=127.0.0.1:9", "ray.connect_timeout_s=1", *QUIET],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)  # a process without Ray
+    assert out.returncode == 1 and "lockstep: run failed: ConnectionError: ray.address=127.0.0.1:9" in out.stderr
+    assert "ConnectionError: ray.address=127.0.0.1:9" in json.loads((tmp_path / "run" / "summary.json").read_text())["error"]

@@ -37,19 +37,21 @@ class Actor(abc.ABC):
     def sync_done(self) -> None: ...
 
     def offload_tensors(self) -> list[torch.Tensor]:
-        """The GPU tensors a colocated actor releases while the engines generate."""
+        """The tensors on its device a colocated actor releases while the engines generate."""
         return []
 
     def offload(self) -> dict:
-        """Colocated mode, after the weight sync: params, grads and optimizer state to the host."""
+        """Colocated mode, after the weight sync: params, grads and optimizer state to the host. The
+        tensors are collected at every offload: the optimizer's state appears at its first step."""
         from lockstep.framework.actor.offload import DeviceOffload
 
-        if getattr(self, "_offloader", None) is None:
-            tensors = self.offload_tensors()
-            if not tensors:
-                return {}
-            self._offloader = DeviceOffload(tensors)
+        if getattr(self, "_offloader", None) is not None and self._offloader.offloaded:
+            return {}
+        tensors = self.offload_tensors()
+        if not tensors:
+            return {}
         t0 = time.perf_counter()
+        self._offloader = DeviceOffload(tensors)
         self._offloader.offload()
         return {"offload_s": time.perf_counter() - t0, "offloaded_gib": self._offloader.total_gib}
 

@@ -93,9 +93,9 @@ class NativeActor(Actor):
         return sums
 
     def offload_tensors(self) -> list[torch.Tensor]:
-        from lockstep.framework.actor.offload import gpu_tensors
+        from lockstep.framework.actor.offload import device_tensors
 
-        return gpu_tensors(self.model, self.ref, self.optimizer)
+        return device_tensors(self.model, self.ref, self.optimizer, device_type=self.device.type)
 
     def write_readback(self, run_dir: str) -> str:
         return write_readback(run_dir, readback(self.ops, side="trainer", backend="native"))

@@ -15,9 +15,11 @@ from typing import Iterable
 import torch
 
 
-def gpu_tensors(*objects) -> list[torch.Tensor]:
-    """The CUDA tensors reachable from modules, optimizers, tensors and (nested) containers: a
-    module's parameters, buffers and their .grad / .main_grad; an optimizer's state and params."""
+def device_tensors(*objects, device_type: str = "cuda") -> list[torch.Tensor]:
+    """The tensors on `device_type` reachable from modules, optimizers, tensors and (nested)
+    containers: a module's parameters, buffers and their .grad / .main_grad; an optimizer's state
+    and params. Collect them when offloading, not once: an optimizer creates its state (Adam's
+    moments) at its first step, after a colocated run's first offload."""
     out, seen = [], set()
 
     def visit(o):
@@ -25,7 +27,7 @@ def gpu_tensors(*objects) -> list[torch.Tensor]:
             return
         seen.add(id(o))
         if isinstance(o, torch.Tensor):
-            if o.is_cuda:
+            if o.device.type == device_type:
                 out.append(o)
             for attr in ("grad", "main_grad"):
                 g = getattr(o, attr, None)

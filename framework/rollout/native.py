@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.framework.actor.offload import DeviceOffload, gpu_tensors
+from lockstep.framework.actor.offload import DeviceOffload, device_tensors
 from lockstep.framework.consistency.readback import readback, write_readback
 from lockstep.framework.placement import rendezvous_address
 from lockstep.framework.models.ops import ops_for_side
@@ -64,7 +64,7 @@ class NativeRolloutEngine(RolloutEngine):
     def sleep(self) -> str:
         if self.device.type != "cuda":
             return super().sleep()
-        self._offload = self._offload or DeviceOffload(gpu_tensors(self.model))
+        self._offload = self._offload or DeviceOffload(device_tensors(self.model))
         self._offload.offload(keep=False)  # the next weight sync rewrites every weight
         return f"slept: {self._offload.total_gib:.2f} GiB of weights released (the KV cache lives only in generate)"
 

@@ -249,11 +249,12 @@ class MegatronActor(Actor):
     def offload_tensors(self) -> list[torch.Tensor]:
         """The model's (and reference's) parameters, megatron's contiguous param/grad buffers and
         the distributed optimizer's state and fp32 main-parameter shards."""
-        from lockstep.framework.actor.offload import gpu_tensors
+        from lockstep.framework.actor.offload import device_tensors
 
         buffers = [[b.param_data, b.grad_data] for b in getattr(self.ddp, "buffers", [])]
         optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        return gpu_tensors(self.model, self.ref, buffers, [o.optimizer for o in optimizers], [vars(o) for o in optimizers])
+        return device_tensors(self.model, self.ref, buffers, [o.optimizer for o in optimizers], [vars(o) for o in optimizers],
+                              device_type=self.device)
 
     def write_readback(self, run_dir: str) -> str:
         return write_readback(run_dir, readback(self.ops, side="trainer", backend="megatron", rank=self.rank))
