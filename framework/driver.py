@@ -15,7 +15,7 @@ import ray
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lockstep.framework import settings
+from lockstep.framework import resume, settings
 from lockstep.framework.consistency.compare import compare_logp, raise_on_mismatch
 from lockstep.framework.consistency.record import write_record
 from lockstep.framework.data.dataset import PromptSampler, load_records
@@ -124,6 +124,8 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep", overrides: tuple
                               cfg.rollout.max_new_tokens)
     summary = RunSummary(run_dir, cfg.determinism.mode, cfg.trainer.steps)
 
+    checkpoint = resume.find(cfg.trainer.resume) if cfg.trainer.resume else None
+    state = resume.check(checkpoint, cfg) if checkpoint else None  # before any worker starts
     actor_res = Resources(cfg.actor.num_cpus, cfg.actor.num_gpus)
     with ray_cluster(cfg.ray.address, cfg.ray.connect_timeout_s), placed(actor_res, Resources(cfg.rollout.num_cpus, cfg.rollout.num_gpus),
                                cfg.parallel.colocate, cfg.rollout.num_engines, actor_world_size(cfg),
@@ -131,13 +133,20 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep", overrides: tuple
         actor = spawn_actor(cfg, placement, model_config, tokenizer)
         engines = spawn_rollouts(cfg, placement, model_config, tokenizer)
         gpu = Colocation(actor, engines, cfg)
-        gpu.sync(PhaseTimer())  # version 0
+        first = 1
+        if checkpoint:
+            actor.load(str(checkpoint))
+            prompts.load_state_dict(state["prompts"])
+            first = state["step"] + 1
+            summary.resumed_from = str(checkpoint)
+            log.info("resuming from %s: steps %d..%d", checkpoint, first, cfg.trainer.steps)
+        gpu.sync(PhaseTimer())  # the actor's version (0, or the checkpoint's)
         tracker = Tracker(run_dir, OmegaConf.to_container(cfg.logger, resolve=True),
                           OmegaConf.to_container(cfg, resolve=True), cfg.trainer.steps, name)
         recorded = None  # the first mismatching step's record (consistency/record.py)
         step, timer = 0, PhaseTimer()
         try:
-            for step in range(1, cfg.trainer.steps + 1):
+            for step in range(first, cfg.trainer.steps + 1):
                 timer, t_step = PhaseTimer(), time.perf_counter()
                 batch = prompts.next_batch(cfg.rollout.prompts_per_step)
                 seeds = [[sample_seed(cfg.seed, step, r.index, j) for j in range(cfg.rollout.n_samples)] for r in batch]
@@ -167,14 +176,22 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep", overrides: tuple
                     raise_on_mismatch(report, step, hint)
                 with timer("train"):
                     train_metrics = actor.train(rollout, rewards, group, recomputed.logp)
+                # checkpoints while the actor holds its weights (the sync offloads it when colocated)
+                saving = cfg.trainer.save_every and (step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps)
+                if saving:
+                    with timer("save"):
+                        resume.save(run_dir, step, cfg, actor, tokenizer, prompts)
+                if cfg.trainer.save_final and step == cfg.trainer.steps:
+                    with timer("save_final"):
+                        actor.save(str(run_dir / "checkpoint"))
+                        tokenizer.save(run_dir / "checkpoint")
                 gpu.sync(timer)
                 timer["perf/step_s"] = time.perf_counter() - t_step
                 metrics.update({f"train/{k}": v for k, v in train_metrics.items()}, **timer)
                 tracker.log_step(step, metrics, worst_rows(report, tokenizer))
                 summary.add(step, metrics)
-            if cfg.trainer.save_final:
-                actor.save(str(run_dir / "checkpoint"))
-                tokenizer.save(run_dir / "checkpoint")
+                if saving:
+                    resume.commit(run_dir, step, cfg.trainer.keep_checkpoints)
             summary.finish("completed")
         except ray.exceptions.RayActorError as e:  # a worker process died: say which, and when
             err = worker_died(e, step, timer.phase)

@@ -94,6 +94,9 @@ def validate(cfg: DictConfig) -> None:
                               "rollout.num_engines, rollout=native (TP engines), or determinism=off")
     if cfg.trainer.steps < 1:
         raise ConfigError(f"trainer.steps must be >= 1, got {cfg.trainer.steps}")
+    if cfg.trainer.save_every < 0 or cfg.trainer.keep_checkpoints < 1:
+        raise ConfigError(f"trainer.save_every must be >= 0 (0: no checkpoints to resume from) and "
+                          f"trainer.keep_checkpoints >= 1, got {cfg.trainer.save_every} and {cfg.trainer.keep_checkpoints}")
     if cfg.rollout.prompts_per_step < 1:
         raise ConfigError(f"rollout.prompts_per_step must be >= 1, got {cfg.rollout.prompts_per_step}")
     if cfg.algo.name == "grpo" and cfg.rollout.n_samples < 2:

@@ -13,6 +13,7 @@ class RunSummary:
         self.run_dir, self.mode, self.planned_steps = run_dir, mode, planned_steps
         self.steps: list[dict] = []
         self.status, self.error = "running", None
+        self.resumed_from: str | None = None  # the checkpoint trainer.resume started this run from
 
     def add(self, step: int, metrics: dict) -> None:
         self.steps.append({"step": step, **metrics})
@@ -33,6 +34,8 @@ class RunSummary:
             "steps_with_mismatch": sum(1 for r in s if r["consistency/mismatch_count"]),
             "max_abs_diff": max((r["consistency/max_abs_diff"] for r in s), default=0.0),
             "step_s_mean": self._mean("perf/step_s", s),
+            "resumed_from": self.resumed_from,
+            "first_step": s[0]["step"] if s else None,
         }
 
     def finish(self, status: str, error: str | None = None) -> None:
@@ -51,6 +54,8 @@ class RunSummary:
                  f"({d['steps_with_mismatch']} steps with any), max |diff| {f(d['max_abs_diff'])}",
                  f"  time          {f(d['step_s_mean'])} s/step",
                  f"  run dir       {d['run_dir']}"]
+        if d["resumed_from"]:
+            lines.insert(1, f"  resumed       from {d['resumed_from']} (steps {d['first_step']}..)")
         if d["error"]:
             lines.insert(1, f"  error         {d['error']}")
         return "\n".join(lines)

@@ -93,7 +93,8 @@ def test_multirun_sweep(ray_session, tmp_path):
 
 def test_a_dead_engine_is_the_error_the_user_sees(ray_session, tmp_path, capsys):
     """The engine's process is killed mid-run: the CLI fails with the engine's death, not with the
-    secondary failure of collecting its readback; the run dir says so."""
+    secondary failure of collecting its readback; the run dir says so; resume continues from the
+    last checkpoint to the end."""
     import threading
     import time
 
@@ -112,7 +113,7 @@ def test_a_dead_engine_is_the_error_the_user_sees(ray_session, tmp_path, capsys)
 
     killer = threading.Thread(target=kill_engine_after_step_1)
     killer.start()
-    rc = _run(tmp_path, "trainer.steps=30", *QUIET)
+    rc = _run(tmp_path, "trainer.steps=12", "trainer.save_every=1", *QUIET)
     killer.join()
     assert rc == 1
     err = capsys.readouterr().err
@@ -121,8 +122,17 @@ def test_a_dead_engine_is_the_error_the_user_sees(ray_session, tmp_path, capsys)
     assert __import__("re").search(r"died in step \d+, phase (rollout|weight_sync)\. Ray says: ", failure), failure
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"].startswith("WorkerDied: NativeRolloutEngine")
-    assert 1 <= summary["steps_completed"] < 30
+    assert 1 <= summary["steps_completed"] < 12
     assert "the rollout engines wrote none" in (tmp_path / "lockstep.log").read_text()
+    latest = max(int(d.name.removeprefix("step-")) for d in (tmp_path / "checkpoints").glob("step-*"))
+    assert latest <= summary["steps_completed"] and len(list((tmp_path / "checkpoints").glob("step-*"))) <= 2
+    again = tmp_path / "resumed"
+    assert cli.main(["run", "tiny-cpu", f"hydra.run.dir={again}", "trainer.steps=12", f"trainer.resume={tmp_path}",
+                     *QUIET]) == 0
+    rows = read_jsonl(again / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(latest + 1, 13))
+    assert all(r["consistency/mismatch_count"] == 0 for r in rows)
+    assert json.loads((again / "summary.json").read_text())["resumed_from"] == str(tmp_path / "checkpoints" / f"step-{latest}")
 
 
 def test_ray_address_is_explicit(tmp_path, monkeypatch):

@@ -47,6 +47,9 @@ class ActorGroup:
     def save(self, path: str) -> None:
         ray.get(self._all("save", path))
 
+    def load(self, path: str) -> None:
+        ray.get(self._all("load", path))
+
     def save_weights(self, path: str) -> None:
         ray.get(self._all("save_weights", path))
 

@@ -131,6 +131,13 @@ class PromptSampler:
             return list(range(len(self.records)))
         return torch.randperm(len(self.records), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
 
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self._cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self._cursor = state["epoch"], state["cursor"]
+        self._order = self._permutation(self.epoch)
+
     def next_batch(self, n: int) -> list[PromptRecord]:
         batch = []
         while len(batch) < n:

@@ -2,8 +2,9 @@
 
 Ordering rules (each enforced by a check, never assumed):
 1. The actor stamps every bucket with its policy version; an engine accepts only the version right
-   after the one it holds (-1 before the first sync), so a stale, repeated or skipped update is
-   refused rather than silently generating with the wrong weights.
+   after the one it holds, so a stale, repeated or skipped update is refused rather than silently
+   generating with the wrong weights; an engine that holds none yet takes the first version it is
+   sent (0, or the step of the checkpoint a resumed run loaded).
 2. A sync streams the model twice, bucket by bucket (models/qwen3.py `hf_groups`: the embeddings and
    norms, then one group per layer; `weights.bucket_mb` per bucket), each bucket gathered from the
    trainer's shards only when it is sent, never the whole model at once:
@@ -133,7 +134,9 @@ class WeightReceiver:
                                   f"weight update failed in its load pass; sync again before generating")
 
     def receive(self, bucket: Bucket, load: Callable, loaded: Callable, device=None) -> dict:
-        if bucket.version != self.version + 1:
+        # an engine that holds no weights yet takes the actor's version (0, or a resumed run's step);
+        # after that, each update is the next version
+        if self.version >= 0 and bucket.version != self.version + 1 or bucket.version < 0:
             raise WeightVersionError(f"weight update refused: engine holds version {self.version}, "
                                      f"{bucket.describe()} has version {bucket.version} (expected {self.version + 1})")
         if bucket.phase == "load" and self._verified_version != bucket.version:

@@ -31,6 +31,8 @@ from lockstep.framework.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, group
 from lockstep.framework.rollout.base import Rollout
 from lockstep.framework.weights.sync import Bucket, WeightSender
 
+OPTIM_DIR = "megatron_optimizer"
+
 
 def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """Greedy contiguous groups of sample indices whose padded size (count x longest) fits
@@ -260,7 +262,25 @@ class MegatronActor(Actor):
         return write_readback(run_dir, readback(self.ops, side="trainer", backend="megatron", rank=self.rank))
 
     def save(self, path: str) -> None:
-        self.save_weights(path)  # the optimizer state is not saved (no resume for this actor yet)
+        """HF weights (rank 0) and, per rank, its shard of the optimizer under
+        PATH/megatron_optimizer/rank{r}.pt (every rank writes: one shared file system)."""
+        self.save_weights(path)
+        d = Path(path) / OPTIM_DIR
+        d.mkdir(exist_ok=True)
+        torch.save({"shards": [{"state": inner.state_dict(), "main": [p.detach().cpu() for p in _main_params(inner)]}
+                               for inner in self._inner_optimizers()],
+                    "optim_steps": self.optim_steps, "version": self.version, "layout": self._layout()},
+                   d / f"rank{self.rank}.pt")
+        dist.barrier()
+
+    def _inner_optimizers(self) -> list:
+        """The torch optimizers over this rank's fp32 main-parameter shards. (Megatron's own
+        save/load_parameter_state is not used: with torch's Adam, megatron-core 0.16's loader expects
+        every state key, `step` included, in the saved tensors, and fails.)"""
+        return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+
+    def _layout(self) -> dict:
+        return {"world": dist.get_world_size(), "tp": self.tp, "cp": self.cp, "dp": self.dp}
 
     def save_weights(self, path: str) -> None:
         """An HF directory written by rank 0 as the layers are gathered (never the whole model at once)."""
@@ -273,8 +293,31 @@ class MegatronActor(Actor):
                 pass
         dist.barrier()
 
+    @torch.no_grad()  # fp32 main parameters are views of the (leaf) model parameters
     def load(self, path: str) -> None:
-        raise NotImplementedError("resume for the megatron actor: start a run from a checkpoint with model.init_from")
+        """What save wrote, into this actor's shards: resume needs the same parallel layout."""
+        from lockstep.framework.actor.megatron.model import load_hf
+
+        d = Path(path) / OPTIM_DIR
+        file = d / f"rank{self.rank}.pt"
+        if not file.exists():
+            raise FileNotFoundError(f"{file}: no megatron optimizer state for rank {self.rank} in {path} "
+                                    "(a checkpoint of another actor, or of fewer ranks)")
+        state = torch.load(file, weights_only=False)
+        if state["layout"] != self._layout():
+            raise ValueError(f"{path}: written by a megatron actor with layout {state['layout']}, this run has "
+                             f"{self._layout()}: resume with the checkpoint's parallel.tp / parallel.cp / GPUs")
+        load_hf(self.model, CheckpointReader(path).tensors, self.cfg, self.tp, self.tp_rank)
+        for inner, shard in zip(self._inner_optimizers(), state["shards"], strict=True):
+            for p, saved in zip(_main_params(inner), shard["main"], strict=True):
+                p.copy_(saved)  # fp32 main parameters (views of the model's own in fp32 runs)
+            inner.load_state_dict(shard["state"])
+        self.optim_steps, self.version = state["optim_steps"], state["version"]
+        dist.barrier()
+
+
+def _main_params(inner) -> list[torch.Tensor]:
+    return [p for g in inner.param_groups for p in g["params"]]
 
 
 __all__ = ["MegatronActor", "micro_batches"]
