@@ -73,7 +73,8 @@ def _run(args, passthrough: list[str]) -> int:
     address = knobs.get("ray.address")
     address = None if address in (None, "null", "") else address
     try:
-        cluster = ray_cluster(address, float(knobs.get("ray.connect_timeout_s", 30)))
+        timeout = {"timeout_s": float(knobs["ray.connect_timeout_s"])} if "ray.connect_timeout_s" in knobs else {}
+        cluster = ray_cluster(address, **timeout)
         with cluster if args.multirun and not passthrough else contextlib.nullcontext():
             _job()  # a sweep's arms share one Ray cluster
     except SystemExit as e:  # Hydra exits on its own errors (after printing them)
