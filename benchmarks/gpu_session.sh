@@ -14,6 +14,8 @@
 #   e2e         qwen3-1.7b-1gpu (megatron actor + native engine), strict and off
 #   e2e_vllm    qwen3-1.7b-1gpu rollout=vllm, strict and off (top_p 0.9, temperature 0.7)
 #   e2e_ckpt    init-model --like qwen3-1.7b, then qwen3-1.7b from it: native engine, then vLLM (strict)
+#   train_memory benchmarks/bench_train_memory.py (peak training memory vs max_tokens_per_gpu and batch)
+#   resume      benchmarks/resume_1gpu.py (4 steps straight vs 2 + resume, bf16 megatron, bitwise)
 #   rollout     benchmarks/bench_rollout.py (stock vLLM, batch-invariant, lockstep, native)
 #   decode      benchmarks/bench_decode.py (where a strict decode step spends its time; split-K vs cuBLAS)
 #               (decode and kernels need only torch and triton: no carried wheels)
@@ -72,6 +74,10 @@ for stage in "$@"; do
                trainer.steps=3 rollout.max_new_tokens=128 rollout=vllm > "$OUT/e2e_ckpt_vllm.log" 2>&1
              cp /tmp/e2e_ckpt/e2e.md "$OUT/e2e_ckpt.md"; cp /tmp/e2e_ckpt_vllm/e2e.md "$OUT/e2e_ckpt_vllm.md"
              tail -30 "$OUT/e2e_ckpt.md" "$OUT/e2e_ckpt_vllm.md" ;;
+    train_memory) need_site; timeout 400 python3 benchmarks/bench_train_memory.py "$OUT/train_memory.md" ${MEMORY_ARGS:-} \
+               > "$OUT/train_memory.log" 2>&1; tail -20 "$OUT/train_memory.log" ;;
+    resume)  need_site; timeout 500 python3 benchmarks/resume_1gpu.py /tmp/resume ${RESUME_ARGS:-} > "$OUT/resume.log" 2>&1
+             cp /tmp/resume/resume.md "$OUT/resume.md" 2>/dev/null; grep -v "Logging error\|I/O operation" "$OUT/resume.log" | tail -20 ;;
     rollout) need_site; timeout 590 python3 benchmarks/bench_rollout.py "$OUT/rollout.md" ${ROLLOUT_ARGS:-} > "$OUT/rollout.log" 2>&1
              tail -20 "$OUT/rollout.log" ;;
     decode)  link_lockstep; timeout 300 python3 benchmarks/bench_decode.py "$OUT/decode.md" > "$OUT/decode.log" 2>&1; tail -40 "$OUT/decode.log" ;;

@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lockstep.framework import resume, settings
-from lockstep.framework.consistency.compare import compare_logp, raise_on_mismatch
+from lockstep.framework.consistency.compare import check_importance_ratio, compare_logp, raise_on_mismatch
 from lockstep.framework.consistency.record import write_record
 from lockstep.framework.data.dataset import PromptSampler, load_records
 from lockstep.framework.data.rewards import get_reward_fn
@@ -142,7 +142,8 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep", overrides: tuple
             log.info("resuming from %s: steps %d..%d", checkpoint, first, cfg.trainer.steps)
         gpu.sync(PhaseTimer())  # the actor's version (0, or the checkpoint's)
         tracker = Tracker(run_dir, OmegaConf.to_container(cfg.logger, resolve=True),
-                          OmegaConf.to_container(cfg, resolve=True), cfg.trainer.steps, name)
+                          OmegaConf.to_container(cfg, resolve=True), cfg.trainer.steps, name,
+                          run_id=state.get("tracker_run_id") if state else None)
         recorded = None  # the first mismatching step's record (consistency/record.py)
         step, timer = 0, PhaseTimer()
         try:
@@ -176,11 +177,12 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep", overrides: tuple
                     raise_on_mismatch(report, step, hint)
                 with timer("train"):
                     train_metrics = actor.train(rollout, rewards, group, recomputed.logp)
+                check_importance_ratio(report, train_metrics, step)
                 # checkpoints while the actor holds its weights (the sync offloads it when colocated)
                 saving = cfg.trainer.save_every and (step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps)
                 if saving:
                     with timer("save"):
-                        resume.save(run_dir, step, cfg, actor, tokenizer, prompts)
+                        resume.save(run_dir, step, cfg, actor, tokenizer, prompts, tracker.run_id)
                 if cfg.trainer.save_final and step == cfg.trainer.steps:
                     with timer("save_final"):
                         actor.save(str(run_dir / "checkpoint"))

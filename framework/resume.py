@@ -8,7 +8,7 @@ logged, so a run killed in between resumes from the previous checkpoint and lose
 the newest `trainer.keep_checkpoints` are kept.
 
 `trainer.resume=PATH` (a run dir, or one of its step-N dirs) starts the run at step N+1 from that
-checkpoint, in this run's own dir. Everything else a step depends on is a function of the step
+checkpoint, in this run's own dir, logging on into the checkpoint's W&B run (same run id). Everything else a step depends on is a function of the step
 number and the seed (per-sample sampling seeds, the LR schedule from the optimizer's step count),
 so steps N+1.. compute the same bits as an uninterrupted run. Config keys that change what the
 steps compute must equal the checkpoint's; the error lists the ones that differ.
@@ -28,16 +28,18 @@ FREE = ("trainer.steps", "trainer.resume", "trainer.save_every", "trainer.keep_c
         "logger", "ray", "determinism.record_mismatch", "actor.num_cpus", "rollout.num_cpus")
 
 
-def save(run_dir: Path, step: int, cfg: DictConfig, actor, tokenizer, prompts) -> Path:
+def save(run_dir: Path, step: int, cfg: DictConfig, actor, tokenizer, prompts, tracker_run_id: str | None) -> Path:
     """Step `step`'s checkpoint under a temporary name (the actor must hold its weights: the driver
-    calls this after training, before the weight sync offloads it); `commit` makes it the latest."""
+    calls this after training, before the weight sync offloads it); `commit` makes it the latest.
+    tracker_run_id: the W&B run's id, which a resumed run logs on into."""
     tmp = run_dir / "checkpoints" / f".step-{step}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     actor.save(str(tmp))
     tokenizer.save(tmp)
     (tmp / CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    (tmp / STATE).write_text(json.dumps({"step": step, "prompts": prompts.state_dict()}))
+    (tmp / STATE).write_text(json.dumps({"step": step, "prompts": prompts.state_dict(),
+                                         "tracker_run_id": tracker_run_id}))
     return tmp
 
 

@@ -64,6 +64,11 @@ def validate(cfg: DictConfig) -> None:
         if cfg.parallel[key] != 1 and cfg.actor.backend == "native":
             raise ConfigError(f"parallel.{key}={cfg.parallel[key]}: the native actor runs unsharded "
                               f"(parallel.{key}=1)")
+    if cfg.actor.pack_sequences and cfg.parallel.cp > 1:
+        raise ConfigError(f"actor.pack_sequences=true with parallel.cp={cfg.parallel.cp}: packed sequences run "
+                          "without context parallelism (set parallel.cp=1 or actor.pack_sequences=false)")
+    if not (isinstance(cfg.actor.max_tokens_per_gpu, int) and cfg.actor.max_tokens_per_gpu >= 1):
+        raise ConfigError(f"actor.max_tokens_per_gpu must be an int >= 1, got {cfg.actor.max_tokens_per_gpu!r}")
     from lockstep.framework.weights.transport import TRANSPORTS, choose
 
     _choice(cfg.weights.transport, TRANSPORTS, "weights.transport")
@@ -99,6 +104,13 @@ def validate(cfg: DictConfig) -> None:
                           f"trainer.keep_checkpoints >= 1, got {cfg.trainer.save_every} and {cfg.trainer.keep_checkpoints}")
     if cfg.rollout.prompts_per_step < 1:
         raise ConfigError(f"rollout.prompts_per_step must be >= 1, got {cfg.rollout.prompts_per_step}")
+    if cfg.algo.name == "grpo":
+        from lockstep.framework.algo.grpo import GRPOConfig
+
+        try:
+            GRPOConfig(**{k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"algo: {e}") from None
     if cfg.algo.name == "grpo" and cfg.rollout.n_samples < 2:
         raise ConfigError(f"rollout.n_samples={cfg.rollout.n_samples}: GRPO normalises rewards within "
                           f"each prompt's group, so it needs n_samples >= 2")

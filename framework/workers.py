@@ -35,14 +35,15 @@ def spawn_actor(cfg: DictConfig, placement: Placement, model_config: dict, token
     common = dict(determinism=_determinism(cfg), real_vocab_size=tokenizer.vocab_size, weights=weights,
                   optim=OmegaConf.to_container(OmegaConf.create(optim), resolve=True),
                   algo={k: v for k, v in OmegaConf.to_container(cfg.algo, resolve=True).items() if k != "name"},
-                  seed=cfg.seed, init_from=cfg.model.init_from, num_threads=a.num_threads, dtype=cfg.model.dtype)
+                  seed=cfg.seed, init_from=cfg.model.init_from, num_threads=a.num_threads, dtype=cfg.model.dtype,
+                  max_tokens_per_gpu=a.max_tokens_per_gpu, pack_sequences=a.pack_sequences)
     resources = placement.options(placement.actor_bundle, Resources(a.num_cpus, a.num_gpus))
     if a.backend == "native":
         return ActorGroup([ray.remote(cls).options(**resources).remote(model_config, device=cfg.parallel.device, **common)])
     world = actor_world_size(cfg)
     parallel = OmegaConf.to_container(cfg.parallel, resolve=True)
     workers = [ray.remote(cls).options(**resources).remote(
-        model_config, parallel=parallel, rank=r, world_size=world, max_tokens_per_gpu=a.max_tokens_per_gpu, **common)
+        model_config, parallel=parallel, rank=r, world_size=world, **common)
         for r in range(world)]
     address, port = ray.get(workers[0].rendezvous.remote())  # rank 0 hosts the process-group rendezvous
     ray.get([w.setup.remote(address, port) for w in workers])

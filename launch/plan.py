@@ -115,8 +115,8 @@ def plan(cfg: DictConfig, gpu_gib: float) -> Plan:
     shard = n / p.tp
     opt_shard = p.dp * p.cp
     batch_tokens = r.prompts_per_step * r.n_samples * (r.max_new_tokens + PROMPT_TOKENS) / cfg.algo.num_minibatches
-    # the megatron actor cuts micro-batches at max_tokens_per_gpu; the native actor runs a minibatch at once
-    budget = a.get("max_tokens_per_gpu") or batch_tokens
+    # both actors cut micro-batches at max_tokens_per_gpu, one backward each
+    budget = min(a.max_tokens_per_gpu, batch_tokens)
     tokens = budget / p.cp
     act = 34 * tokens * s["hidden_size"] * s["num_hidden_layers"] / p.tp
     per_engine_tokens = -(-r.prompts_per_step // engines) * r.n_samples * (r.max_new_tokens + PROMPT_TOKENS)

@@ -1,8 +1,17 @@
 """Small builders shared by tests (real classes, tiny shapes)."""
 import os
 
+import pytest
+
 from lockstep.framework.actor.native import NativeActor
 from lockstep.framework.rollout.native import NativeRolloutEngine
+
+def optional(module: str, reason: str | None = None) -> None:
+    """Skip when an optional extra is not installed, except where LOCKSTEP_REQUIRE_OPTIONAL is set
+    (CI): there a missing install fails."""
+    if not os.environ.get("LOCKSTEP_REQUIRE_OPTIONAL"):
+        pytest.importorskip(module, reason=reason)
+
 
 TINY = dict(vocab_size=16)
 REAL_VOCAB = 15

@@ -63,10 +63,17 @@ def test_sweep_overrides_are_checked_too():
     ("parallel.tp=2", r"native actor runs unsharded"),
     ("rollout.num_engines=0", r"num_engines must be >= 1"),
     ("determinism.inject_fault=typo", r"choose one of: none, rollout_logp_reversed_vocab"),
+    ("actor.max_tokens_per_gpu=0", r"actor.max_tokens_per_gpu must be an int >= 1, got 0"),
+    ("algo.tis_cap=0.5", r"algo.tis_cap must be 0 \(off\) or >= 1"),
 ])
 def test_semantic_validation(override, expected):
     with pytest.raises(settings.ConfigError, match=expected):
         settings.validate(_compose([override]))
+
+
+def test_packing_with_context_parallelism_is_refused():
+    with pytest.raises(settings.ConfigError, match=r"actor.pack_sequences=true with parallel.cp=2"):
+        settings.validate(_compose(["actor=megatron", "parallel.cp=2", "actor.pack_sequences=true"]))
 
 
 def test_cli_exit_codes(capsys):

@@ -28,6 +28,7 @@ def test_tiny_cpu_strict_short_run(ray_session, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert r["consistency/mismatch_count"] == 0 and r["consistency/numel"] > 0
+        assert r["train/tis_differ"] == 0  # the loss's rollout/trainer importance ratio is exactly 1
         missing = [k for k in REQUIRED if k not in r]
         assert not missing, missing
     assert rows[-1]["rollout/weights_version"] == 3  # one sync per step, verified each time
@@ -57,11 +58,14 @@ def test_injected_fault_stops_strict_with_a_clear_error(ray_session, tmp_path, c
 
 
 def test_off_mode_only_reports(ray_session, tmp_path):
-    rc = _run(tmp_path, "trainer.steps=3", "determinism=off",
+    rc = _run(tmp_path, "trainer.steps=3", "determinism=off", "algo.tis_cap=2.0",
               "determinism.inject_fault=rollout_logp_reversed_vocab", *QUIET)
     assert rc == 0
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert len(rows) == 3 and all(r["consistency/mismatch_count"] > 0 for r in rows)
+    # TIS reweights by the rollout logprobs, which here part from the trainer's by float noise (the
+    # fault acts in strict only): ratios off 1 on some tokens, none near the cap
+    assert all(r["train/tis_differ"] > 0 and r["train/tis_capped"] == 0 for r in rows)
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
 
 

@@ -63,3 +63,39 @@ def test_loss_gradient_direction():
 def test_config_errors():
     with pytest.raises(ValueError, match="valid: token_mean, seq_mean_token_mean"):
         GRPOConfig(loss_agg="sum")
+
+
+def test_truncated_importance_sampling_by_hand():
+    # trainer old logprobs vs the engine's: ratios 2, 0.5 and 4 (capped at 3); padding ignored
+    old = torch.tensor([[math.log(0.4), math.log(0.2)], [math.log(0.8), 0.0]])
+    engine = torch.tensor([[math.log(0.2), math.log(0.4)], [math.log(0.2), 0.0]])
+    logp = old.clone()  # on-policy w.r.t. the trainer: the PPO ratio is 1, the pg term is -A
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[True, True], [True, False]])
+    plain, stats = grpo_loss(logp, old, adv, mask, GRPOConfig(), rollout_logp=engine)
+    assert plain.item() == pytest.approx((-1 - 1 + 2) / 3, abs=1e-6)  # off: reported, not applied
+    assert float(stats["tis_ratio_mean"]) == pytest.approx((2 + 0.5 + 4) / 3, rel=1e-5)
+    assert float(stats["tis_differ"]) == pytest.approx(1.0)
+    tis, stats = grpo_loss(logp, old, adv, mask, GRPOConfig(tis_cap=3.0), rollout_logp=engine)
+    assert tis.item() == pytest.approx((-1 * 2 - 1 * 0.5 + 2 * 3) / 3, abs=1e-5)
+    assert float(stats["tis_capped"]) == pytest.approx(1 / 3)
+    # the engine's logprobs equal the trainer's: the ratio is exactly 1 and the loss unchanged, bitwise
+    same, stats = grpo_loss(logp, old, adv, mask, GRPOConfig(tis_cap=3.0), rollout_logp=old.clone())
+    assert torch.equal(same, grpo_loss(logp, old, adv, mask, GRPOConfig())[0])
+    assert float(stats["tis_differ"]) == 0.0
+    with pytest.raises(ValueError, match="tis_cap"):
+        GRPOConfig(tis_cap=0.5)
+
+
+def test_an_agreeing_step_that_trains_off_ratio_one_is_refused():
+    from lockstep.framework.consistency.compare import (LockstepMismatchError, check_importance_ratio,
+                                                        compare_logp)
+
+    a = torch.tensor([[-1.0, -2.0]])
+    mask = torch.tensor([[True, True]])
+    agreed = compare_logp(a, a.clone(), mask, torch.zeros(1, 2, dtype=torch.long), 1)
+    check_importance_ratio(agreed, {"tis_differ": 0.0}, 1)
+    with pytest.raises(LockstepMismatchError, match="importance ratio other than 1"):
+        check_importance_ratio(agreed, {"tis_differ": 0.5}, 1)
+    differed = compare_logp(a, a + 1, mask, torch.zeros(1, 2, dtype=torch.long), 1)
+    check_importance_ratio(differed, {"tis_differ": 1.0}, 1)  # a reported mismatch trains on (report mode)

@@ -9,15 +9,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-if not os.environ.get("LOCKSTEP_REQUIRE_OPTIONAL"):  # CI requires it: a missing install fails
-    pytest.importorskip("megatron.core")
+from helpers import WEIGHTS, optional, sync
+
+optional("megatron.core")
 
 from lockstep.framework.actor.megatron.convert import Qwen3Layout, hf_to_megatron, megatron_to_hf  # noqa: E402
-from lockstep.framework.actor.megatron.worker import micro_batches  # noqa: E402
 from lockstep.framework.models.ops import ALL_R, build_ops  # noqa: E402
 from lockstep.framework.models.qwen3 import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-from helpers import WEIGHTS, sync  # noqa: E402
 
 PROVIDER = "lockstep.kernels.provider:linear_logp_provider"
 DET = dict(mode="strict", case="R/R", attention=1, ffn=1, logp=1, provider=PROVIDER, on_mismatch="auto", inject_fault="none")
@@ -52,13 +51,6 @@ def test_tp_must_divide_kv_heads():
     lay = Qwen3Layout.from_config(Qwen3Config(**SHAPE))
     with pytest.raises(ValueError, match="must divide the model's KV heads"):
         hf_to_megatron(_hf(True), lay, tp=4, rank=0)
-
-
-def test_micro_batches_respect_the_token_budget():
-    assert micro_batches([5, 5, 5, 5], 10) == [[0, 1], [2, 3]]
-    assert micro_batches([3, 9, 2], 10) == [[0], [1], [2]]
-    assert micro_batches([30, 2], 10) == [[0], [1]]  # an oversize sample travels alone
-    assert sum(micro_batches([4] * 9, 12), []) == list(range(9))
 
 
 def _free_port():
@@ -126,8 +118,10 @@ def test_megatron_actor_on_gloo(tp, from_checkpoint, tmp_path):
     if tp == 1:
         assert all(n > 0 for n in r0["numel"])
         assert r0["mismatches"] == [0, 0, 0], r0["mismatches"]  # bitwise, before and after updates
-        # every op slot ran (paged attention is the vLLM engine's; sampling logits the engine's)
-        assert all(v["calls"] > 0 for k, v in r0["readback"].items() if k not in ("logp.linear", "attention.paged_attention"))
+        # every op slot ran (paged attention is the vLLM engine's; sampling logits the engine's; the
+        # packed core runs with actor.pack_sequences)
+        assert all(v["calls"] > 0 for k, v in r0["readback"].items()
+                   if k not in ("logp.linear", "attention.paged_attention", "attention.varlen_attention"))
 
 
 @pytest.mark.slow

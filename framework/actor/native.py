@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from lockstep.framework.actor.base import Actor, LogpResult
-from lockstep.framework.actor.logp import BatchLogp, model_logp, warmup_lr
+from lockstep.framework.actor.logp import model_logp, sample_groups, warmup_lr
 from lockstep.framework.algo.grpo import LOSS_STATS, GRPOConfig, group_advantages, grpo_loss
 from lockstep.framework.consistency.readback import readback, write_readback
 from lockstep.framework.models.ops import ops_for_side
@@ -26,7 +26,7 @@ STATE_FILE = "actor_state.pt"
 class NativeActor(Actor):
     def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, optim: dict, algo: dict,
                  seed: int, weights: dict, init_from: str | None = None, num_threads: int = 1, device: str = "cpu",
-                 dtype: str = "float32"):
+                 dtype: str = "float32", max_tokens_per_gpu: int | None = None, pack_sequences: bool = False):
         torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
         self.device = torch.device(device)
@@ -38,6 +38,8 @@ class NativeActor(Actor):
             self.model.init_weights(seed)
         self.model.to(self.device, getattr(torch, dtype)).train()
         self.real_vocab_size = real_vocab_size
+        self.max_tokens = max_tokens_per_gpu  # None: the whole batch in one forward
+        self.pack = pack_sequences
         self.algo = GRPOConfig(**algo)
         # Frozen copy of the initial policy, only when the KL term is on.
         self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if self.algo.kl_coef > 0 else None
@@ -52,15 +54,13 @@ class NativeActor(Actor):
         self.hf_groups = [list(g) for g in hf_groups(cfg)]
 
     # ---- logprobs ------------------------------------------------------------------------------
-    def _logp(self, model, rollout: Rollout, samples: torch.Tensor, with_entropy: bool) -> BatchLogp:
-        return model_logp(model, rollout, samples, real_vocab_size=self.real_vocab_size, with_entropy=with_entropy)
-
     def compute_logp(self, rollout: Rollout) -> LogpResult:
         if rollout.weights_version != self.version:
             raise RuntimeError(f"rollout was generated with weights version {rollout.weights_version} "
                                f"but the actor holds version {self.version}")
         with torch.no_grad():
-            out = self._logp(self.model, rollout, torch.arange(rollout.batch_size), False)
+            out = model_logp(self.model, rollout, torch.arange(rollout.batch_size), real_vocab_size=self.real_vocab_size,
+                             with_entropy=False, max_tokens=self.max_tokens, pack=self.pack)
         return LogpResult(out.logp.cpu(), self.version)
 
     # ---- training ------------------------------------------------------------------------------
@@ -68,25 +68,35 @@ class NativeActor(Actor):
               old_logp: torch.Tensor) -> dict:
         adv = group_advantages(rewards, group_ids, self.algo.norm_adv_by_std, self.algo.adv_eps).to(self.device)
         mask, old_logp = rollout.response_mask().to(self.device), old_logp.to(self.device)
+        rollout_logp = rollout.logp.to(self.device)
         sums = dict.fromkeys(LOSS_STATS + ("loss", "grad_norm", "lr"), 0.0)
         n = self.algo.num_minibatches
         for rows in torch.arange(rollout.batch_size).chunk(n):
-            cur = self._logp(self.model, rollout, rows, with_entropy=True)
-            ref_logp = None
-            if self.ref is not None:
-                with torch.no_grad():
-                    ref_logp = self._logp(self.ref, rollout, rows, False).logp
-            loss, stats = grpo_loss(cur.logp, old_logp, adv, mask, self.algo, ref_logp, rows=rows,
-                                    entropy=cur.entropy)
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = torch.zeros((), device=self.device)
+            stats = dict.fromkeys(LOSS_STATS, 0.0)
+            # one backward per micro-batch: its tokens' share of the minibatch loss (weights from the
+            # whole minibatch's mask), gradients accumulating, so only one micro-batch's graph is alive
+            for idx in sample_groups(rollout, rows, self.max_tokens, self.pack):
+                cur = model_logp(self.model, rollout, idx, real_vocab_size=self.real_vocab_size, with_entropy=True,
+                                 pack=self.pack)
+                ref_logp = None
+                if self.ref is not None:
+                    with torch.no_grad():
+                        ref_logp = model_logp(self.ref, rollout, idx, real_vocab_size=self.real_vocab_size,
+                                              with_entropy=False, pack=self.pack).logp
+                share, share_stats = grpo_loss(cur.logp, old_logp, adv, mask, self.algo, ref_logp, rows=rows,
+                                               owned=cur.owned, entropy=cur.entropy, rollout_logp=rollout_logp)
+                share.backward()
+                loss = loss + share.detach()
+                stats = {k: stats[k] + share_stats[k] for k in LOSS_STATS}
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg["grad_clip"])
             lr = warmup_lr(self.optim_cfg, self.optim_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
             self.optim_steps += 1
-            for k, v in {**stats, "loss": loss.detach(), "grad_norm": grad_norm, "lr": lr}.items():
+            for k, v in {**stats, "loss": loss, "grad_norm": grad_norm, "lr": lr}.items():
                 sums[k] += float(v) / n
         self.version += 1
         sums["advantage_abs_mean"] = float(adv.abs().mean())

@@ -1,4 +1,6 @@
-"""GRPO: group-normalised advantages, clipped policy loss, k3 KL to a frozen reference."""
+"""GRPO: group-normalised advantages, clipped policy loss, k3 KL to a frozen reference, and an
+optional token-level truncated importance-sampling (TIS) correction for rollouts whose logprobs are
+not the trainer's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,12 +19,18 @@ class GRPOConfig:
     adv_eps: float = 1e-6
     loss_agg: str = "token_mean"
     num_minibatches: int = 1  # optimizer steps per rollout batch
+    # TIS: each token's policy-gradient term times min(exp(trainer old logp - rollout logp), tis_cap);
+    # 0 = off. For determinism off/auto, where the engine's logprobs are not the trainer's; in strict
+    # the ratio is exactly 1 on every token (the driver checks train/tis_differ == 0)
+    tis_cap: float = 0.0
 
     def __post_init__(self):
         if self.loss_agg not in LOSS_AGGREGATIONS:
             raise ValueError(f"unknown loss_agg {self.loss_agg!r}; valid: {', '.join(LOSS_AGGREGATIONS)}")
         if self.clip_low < 0 or self.clip_high < 0 or self.kl_coef < 0:
             raise ValueError("clip_low, clip_high and kl_coef must be >= 0")
+        if self.tis_cap != 0 and self.tis_cap < 1:
+            raise ValueError(f"algo.tis_cap must be 0 (off) or >= 1, got {self.tis_cap}")
         if self.num_minibatches < 1:
             raise ValueError(f"num_minibatches must be >= 1, got {self.num_minibatches}")
 
@@ -72,19 +80,22 @@ def grpo_token_terms(logp, old_logp, advantages, cfg: GRPOConfig, ref_logp=None)
     return terms
 
 
-LOSS_STATS = ("pg_loss", "kl_loss", "clipfrac", "ratio_mean", "entropy")
+LOSS_STATS = ("pg_loss", "kl_loss", "clipfrac", "ratio_mean", "entropy", "tis_ratio_mean", "tis_capped", "tis_differ")
 
 
 def grpo_loss(logp, old_logp, advantages, mask, cfg: GRPOConfig, ref_logp=None, *, rows=None, owned=None,
-              entropy=None):
+              entropy=None, rollout_logp=None):
     """One optimizer step's GRPO loss, or the share of it that one worker's tokens carry.
 
     logp, old_logp, ref_logp, entropy, mask, owned: [B, R] over the whole rollout batch;
     advantages [B]; rows: the minibatch's samples (default all); owned: the tokens this worker
     scored (default all). Token weights come from the minibatch's mask (cfg.loss_agg) and are zero
     outside `owned`, so the workers' shares add up to the minibatch loss whatever the split.
+    rollout_logp [B, R]: the engine's logprobs of the tokens (default: old_logp, the trainer's), for
+    the importance ratio exp(old_logp - rollout_logp) that TIS (cfg.tis_cap) caps and weights by.
     Returns (loss, stats): stats are this worker's shares (0-d tensors) of LOSS_STATS (clipfrac,
-    ratio and entropy are token means)."""
+    ratio, entropy and the tis_* stats are token means; tis_differ is the share of tokens whose
+    two logprobs differ in any bit)."""
     if rows is not None:
         in_rows = torch.zeros_like(mask)
         in_rows[rows.to(mask.device)] = True
@@ -92,9 +103,19 @@ def grpo_loss(logp, old_logp, advantages, mask, cfg: GRPOConfig, ref_logp=None, 
     w, tok = token_weights(mask, cfg.loss_agg), token_weights(mask, "token_mean")
     if owned is not None:
         w, tok = w * owned, tok * owned
+        # tokens another worker (or micro-batch) scores hold 0 here: give them ratio 1 and KL 0, so
+        # an old logprob below -88 cannot make exp() inf and the zero-weighted term NaN
+        logp = torch.where(owned, logp, old_logp)
+        ref_logp = torch.where(owned, ref_logp, old_logp) if ref_logp is not None else None
     t = grpo_token_terms(logp, old_logp, advantages, cfg, ref_logp)
-    pg, kl = (t["pg"] * w).sum(), (t["kl"] * w).sum()
+    behaviour = old_logp if rollout_logp is None else torch.where(mask, rollout_logp, old_logp)
+    is_ratio = torch.exp(old_logp - behaviour)  # 1 wherever the two logprobs are equal
+    pg_terms = t["pg"] * is_ratio.clamp(max=cfg.tis_cap) if cfg.tis_cap else t["pg"]
+    pg, kl = (pg_terms * w).sum(), (t["kl"] * w).sum()
     stats = {"pg_loss": pg.detach(), "kl_loss": kl.detach(), "clipfrac": (t["clipped"] * tok).sum(),
              "ratio_mean": (t["ratio"] * tok).sum(),
-             "entropy": (entropy.detach() * tok).sum() if entropy is not None else torch.zeros_like(pg)}
+             "entropy": (entropy.detach() * tok).sum() if entropy is not None else torch.zeros_like(pg),
+             "tis_ratio_mean": (is_ratio * tok).sum(),
+             "tis_capped": ((is_ratio > cfg.tis_cap).float() * tok).sum() if cfg.tis_cap else torch.zeros_like(pg),
+             "tis_differ": ((old_logp != behaviour).float() * tok).sum()}
     return pg + cfg.kl_coef * kl, stats

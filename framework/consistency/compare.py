@@ -82,3 +82,13 @@ def raise_on_mismatch(report: ConsistencyReport, step: int, hint: str = "") -> N
             f"response position {f.position} (token {f.token}): rollout {f.rollout_logp!r} vs "
             f"trainer {f.train_logp!r}. This mode stops on a mismatch; determinism.on_mismatch=report "
             f"only reports it.{hint}")
+
+
+def check_importance_ratio(report: ConsistencyReport, train_metrics: dict, step: int) -> None:
+    """A step whose logprobs all agreed must have trained with an importance ratio of exactly 1 on
+    every token (the loss saw the very logprobs that were compared)."""
+    differ = train_metrics.get("tis_differ", 0.0)
+    if report.mismatch_count == 0 and differ:
+        raise LockstepMismatchError(
+            f"step {step}: every logprob agreed, yet the loss saw a rollout/trainer importance ratio other "
+            f"than 1 on {differ:.3g} of its tokens: the logprobs handed to training are not the ones compared")

@@ -38,7 +38,7 @@ MODULES = ("attention", "ffn", "logp")
 # every op slot `determinism.stock_ops` may name (the paged core has no stock op: vLLM's stock
 # attention is its own backend, chosen with determinism.attention=0)
 STOCK_SLOTS = ("attention.linear", "attention.row_linear", "attention.rms_norm", "attention.rope_cos_sin",
-               "attention.apply_rope", "attention.attention", "ffn.linear", "ffn.row_linear", "ffn.rms_norm",
+               "attention.apply_rope", "attention.attention", "attention.varlen_attention", "ffn.linear", "ffn.row_linear", "ffn.rms_norm",
                "ffn.silu_mul", "logp.rms_norm", "logp.linear")
 
 
@@ -82,6 +82,7 @@ class AttentionOps:
     rope_cos_sin: Callable  # (positions, head_dim, theta) -> cos, sin [..., head_dim] fp32
     apply_rope: Callable  # (x [..., T, H, D], cos, sin [..., T, D]) -> x rotated
     attention: Callable  # (q [B,Tq,H,D], k, v [B,S,Hkv,D], q_pos [B,Tq], scale) -> [B,Tq,H,D]
+    varlen_attention: Callable  # packed sequences: (q [N,H,D], k, v [N,Hkv,D], cu_seqlens [B+1], scale) -> [N,H,D]
     paged_attention: Callable | None  # lockstep.kernels.paged_attention's signature (R only)
 
 
@@ -262,6 +263,15 @@ class ProviderLogp:
 DEFAULT_PROVIDER = "lockstep.kernels.provider:linear_logp_provider"
 
 
+def sdpa_varlen_attention(q, k, v, cu_seqlens, scale=None):
+    """Packed causal attention with torch's SDPA, one sequence at a time."""
+    out, bounds = [], cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        pos = torch.arange(b - a, device=q.device)[None]
+        out.append(sdpa_attention(q[None, a:b], k[None, a:b], v[None, a:b], pos, scale)[0])
+    return torch.cat(out) if out else q.new_empty(q.shape)
+
+
 def build_ops(selection: Selection, *, mode: str = "strict", provider: str = DEFAULT_PROVIDER) -> ModelOps:
     counter, record = OpCounter(), RouteRecord()
     kernels_impl = f"{LOCKSTEP_IMPL}[{K.get_backend()}]"
@@ -277,6 +287,7 @@ def build_ops(selection: Selection, *, mode: str = "strict", provider: str = DEF
                              pick("attention", "rope_cos_sin", K.rope_cos_sin, torch_rope_cos_sin),
                              pick("attention", "apply_rope", K.apply_rope, torch_apply_rope),
                              pick("attention", "attention", K.causal_attention, sdpa_attention),
+                             pick("attention", "varlen_attention", K.varlen_attention, sdpa_varlen_attention),
                              pick("attention", "paged_attention", K.paged_attention, None))
     ffn = FFNOps(pick("ffn", "linear", K.linear, F.linear),
                  pick("ffn", "row_linear", K.row_parallel_linear, torch_row_linear),

@@ -286,16 +286,22 @@ class Qwen3ForCausalLM(nn.Module):
 
     # ---- compute -------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [B, T] -> final hidden states [B, T, H] (after the last norm).
 
-        Without a cache, row b must hold its sequence from position 0 (teacher forcing)."""
+        Without a cache, row b must hold its sequence from position 0 (teacher forcing). cu_seqlens
+        [S+1] int32: packed sequences instead, input_ids and positions [1, N] holding sequence r's
+        tokens at cu[r]..cu[r+1]-1 with positions from 0 (the same bits as each sequence on a row)."""
         ops, cfg = self.ops, self.config
+        if cu_seqlens is not None and (cache is not None or input_ids.shape[0] != 1):
+            raise ValueError("packed sequences (cu_seqlens) are one row of tokens, without a KV cache")
         cos, sin = ops.attention.rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         scale = 1.0 / math.sqrt(cfg.head_dim)
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             def core(q, k, v, i=i):
+                if cu_seqlens is not None:
+                    return ops.attention.varlen_attention(q[0], k[0], v[0], cu_seqlens, scale)[None]
                 if cache is not None:
                     k, v = cache.write(i, positions, k, v)
                 return ops.attention.attention(q, k, v, positions, scale)

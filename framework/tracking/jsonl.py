@@ -20,3 +20,9 @@ class JsonlWriter:
 
 def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def computed(row: dict) -> dict:
+    """A metrics row without what depends on the machine's speed (timings, throughput): what the
+    step computed, which a resumed run must reproduce bit for bit."""
+    return {k: v for k, v in row.items() if not k.startswith("perf/") and k != "rollout/tok_per_s_per_gpu"}

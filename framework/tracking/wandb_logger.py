@@ -8,7 +8,8 @@ MODES = ("offline", "online", "disabled")
 
 
 class WandbLogger:
-    def __init__(self, run_dir: Path, cfg: dict, run_config: dict, name: str):
+    def __init__(self, run_dir: Path, cfg: dict, run_config: dict, name: str, run_id: str | None = None):
+        """run_id: continue that run (a resumed lockstep run), else start a new one."""
         if cfg["mode"] not in MODES:
             raise ValueError(f"logger.wandb.mode={cfg['mode']!r}; valid: {', '.join(MODES)}")
         os.environ.setdefault("WANDB_SILENT", "true")
@@ -17,6 +18,7 @@ class WandbLogger:
         self._wandb = wandb
         self.run = wandb.init(project=cfg["project"], entity=cfg.get("entity"), name=name, mode=cfg["mode"],
                               dir=str(run_dir), config=run_config, tags=list(cfg.get("tags") or []),
+                              id=run_id, resume="allow" if run_id else None,
                               settings=wandb.Settings(console="off", x_disable_stats=True))
 
     def log(self, metrics: dict, step: int) -> None:

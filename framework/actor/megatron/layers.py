@@ -95,6 +95,9 @@ class SequenceShard:
     positions: torch.Tensor | None = None
     cp_group: object = None
     order: torch.Tensor | None = None  # sorts every rank's keys, gathered in rank order, into position order
+    # packed sequences (one row of tokens, b = 1): sequence r is tokens cu[r]..cu[r+1]-1 and
+    # `positions` holds each token's position in its sequence (context parallelism: not with packing)
+    cu_seqlens: torch.Tensor | None = None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -144,12 +147,17 @@ class LockstepTransformerLayer(TransformerLayer):
         d = cfg.kv_channels
         dev = hidden_states.device
         cp_group = shard.cp_group if shard is not None else None
-        positions = shard.positions.to(dev) if cp_group is not None else torch.arange(s, device=dev)
+        cu = shard.cu_seqlens if shard is not None else None
+        if cu is not None and (cp_group is not None or b != 1):
+            raise NotImplementedError("packed sequences run as one row (b = 1) without context parallelism")
+        positions = shard.positions.to(dev) if cp_group is not None or cu is not None else torch.arange(s, device=dev)
         cos, sin = ops.attention.rope_cos_sin(positions[:, None].expand(s, b), d, type(self).rope_theta)
         scale = 1.0 / math.sqrt(d)
         q_pos = positions.expand(b, s)
 
         def core(q, k, v):  # [s, b, heads, d] -> megatron's [s, b] layout around the [b, s] op
+            if cu is not None:
+                return ops.attention.varlen_attention(q[:, 0], k[:, 0], v[:, 0], cu.to(dev), scale)[:, None]
             if cp_group is not None:  # every key in position order: the same fixed KV blocks as CP 1
                 order = shard.order.to(dev)
                 k, v = (_GatherSequence.apply(t, cp_group)[order] for t in (k, v))

@@ -83,12 +83,24 @@ def load_hf(model: GPTModel, source, cfg: Qwen3Config, tp: int, rank: int) -> No
         raise ValueError(f"HF -> megatron conversion left parameters unloaded: {missing[:5]}")
 
 
+def packed_hidden_states(model: GPTModel, packed) -> torch.Tensor:
+    """logp.Packed samples -> their final hidden states [b, width, h], each sample from position 0
+    (one forward over the packed row; no context parallelism)."""
+    shard = model.lockstep_shard
+    shard.cp_group, shard.positions, shard.cu_seqlens = None, packed.positions[0], packed.cu_seqlens
+    try:
+        return packed.unpack(model(input_ids=packed.tokens, position_ids=None, attention_mask=None))
+    finally:
+        shard.positions, shard.cu_seqlens = None, None
+
+
 def hidden_states(model: GPTModel, tokens: torch.Tensor, cp_group=None, cp: int = 1, cp_rank: int = 0):
     """tokens [b, s] (each row from position 0) -> (final hidden states [b, s_local, h], positions
     [s_local] they are of). With context parallelism (cp > 1) this rank runs only its share of the
     sequence (layers.zigzag_positions; the sequence padded to a multiple of 2 cp), attending over
     every rank's keys."""
     shard = model.lockstep_shard
+    shard.cu_seqlens = None
     if cp == 1:
         shard.cp_group, shard.positions = None, None
         return model(input_ids=tokens, position_ids=None, attention_mask=None), torch.arange(tokens.shape[1])

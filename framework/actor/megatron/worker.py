@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.framework.actor.base import Actor, LogpResult
-from lockstep.framework.actor.logp import BatchLogp, score_samples, warmup_lr
+from lockstep.framework.actor.logp import BatchLogp, Packed, sample_groups, score_samples, warmup_lr
 from lockstep.framework.algo.grpo import LOSS_STATS, GRPOConfig, group_advantages, grpo_loss
 from lockstep.framework.consistency.readback import readback, write_readback
 from lockstep.framework.models.ops import ops_for_side
@@ -34,25 +34,11 @@ from lockstep.framework.weights.sync import Bucket, WeightSender
 OPTIM_DIR = "megatron_optimizer"
 
 
-def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Greedy contiguous groups of sample indices whose padded size (count x longest) fits
-    max_tokens; a sample longer than max_tokens travels alone."""
-    groups, cur, longest = [], [], 0
-    for i, n in enumerate(lengths):
-        if cur and (len(cur) + 1) * max(longest, n) > max_tokens:
-            groups.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    if cur:
-        groups.append(cur)
-    return groups
-
-
 class MegatronActor(Actor):
     def __init__(self, model_config: dict, *, determinism: dict, real_vocab_size: int, optim: dict, algo: dict,
                  seed: int, parallel: dict, rank: int, world_size: int, max_tokens_per_gpu: int, weights: dict,
-                 init_from: str | None = None, num_threads: int = 1, dtype: str = "float32"):
+                 init_from: str | None = None, num_threads: int = 1, dtype: str = "float32",
+                 pack_sequences: bool = False):
         self.device = parallel["device"]
         if self.device == "cpu":
             from lockstep.framework.actor.megatron import cpu_shims
@@ -63,6 +49,10 @@ class MegatronActor(Actor):
                          parallel=parallel, init_from=init_from, dtype=dtype, weights=weights)
         self.rank, self.world_size = rank, world_size
         self.real_vocab_size, self.max_tokens = real_vocab_size, max_tokens_per_gpu
+        if pack_sequences and parallel["cp"] > 1:
+            raise ValueError("actor.pack_sequences=true runs without context parallelism: set parallel.cp=1 "
+                             "or actor.pack_sequences=false")
+        self.pack = pack_sequences
         self.algo = GRPOConfig(**algo)
         self.version = 0
 
@@ -137,28 +127,37 @@ class MegatronActor(Actor):
     def _owned_samples(self, rows: torch.Tensor) -> torch.Tensor:
         return rows[self.dp_rank::self.dp]
 
-    def _logp_of(self, model, rollout: Rollout, samples: torch.Tensor, with_entropy: bool) -> BatchLogp:
-        """Logprobs of this rank's tokens of `samples`, over the whole batch ([B, R], `owned`
-        marking what this rank computed), micro-batch by micro-batch."""
-        from lockstep.framework.actor.megatron.model import hidden_states, lm_head_shard
+    def _score(self, model, rollout: Rollout, idx: torch.Tensor, out: BatchLogp) -> None:
+        """One forward of micro-batch `idx` (this rank's share of its positions under CP), its
+        tokens' logprobs scored into `out`."""
+        from lockstep.framework.actor.megatron.model import hidden_states, lm_head_shard, packed_hidden_states
 
-        dev = torch.device("cuda") if self.device == "cuda" else torch.device("cpu")
-        out = BatchLogp(rollout, dev, with_entropy)
-        lengths = (rollout.prompt_lens + rollout.response_lens)[samples].tolist()
+        dev = out.logp.device
         weight, vocab_start = lm_head_shard(model, self.tp_rank)
 
         def token_logp(h, targets, **kw):
             return self.ops.logp.linear_logp(h, weight, targets, real_vocab_size=self.real_vocab_size,
-                                             with_entropy=with_entropy, vocab_start=vocab_start,
+                                             with_entropy=out.entropy is not None, vocab_start=vocab_start,
                                              full_vocab_size=self.cfg.vocab_size,
                                              group=self.tp_group if self.tp > 1 else None, **kw)
 
-        for group in micro_batches(lengths, self.max_tokens):
-            idx = samples[group]
-            width = max(lengths[g] for g in group)
-            hidden, positions = hidden_states(model, rollout.tokens[idx, :width].to(dev), self.cp_group, self.cp,
-                                              self.cp_rank)  # [b, s_local, h]
-            score_samples(out, hidden, rollout, idx, token_logp, positions if self.cp > 1 else None)
+        if self.pack:
+            score_samples(out, packed_hidden_states(model, Packed.of(rollout, idx, dev)), rollout, idx, token_logp)
+            return
+        width = int((rollout.prompt_lens + rollout.response_lens)[idx].max())
+        hidden, positions = hidden_states(model, rollout.tokens[idx, :width].to(dev), self.cp_group, self.cp,
+                                          self.cp_rank)  # [b, s_local, h]
+        score_samples(out, hidden, rollout, idx, token_logp, positions if self.cp > 1 else None)
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda") if self.device == "cuda" else torch.device("cpu")
+
+    def _logp_of(self, model, rollout: Rollout, samples: torch.Tensor, with_entropy: bool) -> BatchLogp:
+        """Logprobs of this rank's tokens of `samples`, over the whole batch ([B, R], `owned`
+        marking what this rank computed), micro-batch by micro-batch."""
+        out = BatchLogp(rollout, self._device(), with_entropy)
+        for idx in sample_groups(rollout, samples, self.max_tokens, self.pack):
+            self._score(model, rollout, idx, out)
         return out
 
     def _gather_owned(self, values: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
@@ -187,9 +186,9 @@ class MegatronActor(Actor):
               old_logp: torch.Tensor) -> dict:
         from megatron.core.distributed import finalize_model_grads
 
-        dev = torch.device("cuda") if self.device == "cuda" else torch.device("cpu")
+        dev = self._device()
         adv = group_advantages(rewards, group_ids, self.algo.norm_adv_by_std, self.algo.adv_eps).to(dev)
-        old_logp, mask = old_logp.to(dev), rollout.response_mask().to(dev)
+        old_logp, mask, rollout_logp = old_logp.to(dev), rollout.response_mask().to(dev), rollout.logp.to(dev)
         # megatron's DDP averages gradients over DP x CP ranks; each rank's loss is its share of
         # the batch loss, so scale back to a sum.
         scale = self.dp * self.cp
@@ -200,23 +199,27 @@ class MegatronActor(Actor):
         for rows in torch.arange(rollout.batch_size).chunk(n):
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-            mine = self._owned_samples(rows)
-            cur = self._logp_of(self.model, rollout, mine, True)
-            ref_logp = None
-            if self.ref is not None:
-                with torch.no_grad():
-                    ref_logp = self._logp_of(self.ref, rollout, mine, False).logp
-            loss, stats = grpo_loss(cur.logp, old_logp, adv, mask, self.algo, ref_logp, rows=rows, owned=cur.owned,
-                                    entropy=cur.entropy)
-            ((loss + cur.anchor) * scale).backward()
+            part = torch.zeros(len(LOSS_STATS) + 1, device=dev, dtype=torch.float64)
+            # one backward per micro-batch (its tokens' share of the minibatch loss; gradients
+            # accumulate in megatron's grad buffers), so only one micro-batch's graph is alive
+            for idx in sample_groups(rollout, self._owned_samples(rows), self.max_tokens, self.pack):
+                cur = BatchLogp(rollout, dev, True)
+                self._score(self.model, rollout, idx, cur)
+                ref_logp = None
+                if self.ref is not None:
+                    with torch.no_grad():
+                        ref_logp = self._logp_of(self.ref, rollout, idx, False).logp
+                loss, stats = grpo_loss(cur.logp, old_logp, adv, mask, self.algo, ref_logp, rows=rows,
+                                        owned=cur.owned, entropy=cur.entropy, rollout_logp=rollout_logp)
+                ((loss + cur.anchor) * scale).backward()
+                part += torch.stack([*(stats[k] for k in LOSS_STATS), loss.detach()]).double()
             finalize_model_grads([self.ddp])
             lr = warmup_lr(self.args["optim"], self.optim_steps)
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
             _, grad_norm, _ = self.optimizer.step()
             self.optim_steps += 1
-            totals += torch.stack([*(stats[k] for k in LOSS_STATS), loss.detach(),
-                                   torch.tensor(float(grad_norm or 0.0), device=dev)]).double() / n
+            totals += torch.cat([part, torch.tensor([float(grad_norm or 0.0)], device=dev, dtype=torch.float64)]) / n
         # every token has one owner among DP x CP; TP ranks repeat the same numbers; the grad norm
         # is global already
         from megatron.core import parallel_state as ps
@@ -320,4 +323,4 @@ def _main_params(inner) -> list[torch.Tensor]:
     return [p for g in inner.param_groups for p in g["params"]]
 
 
-__all__ = ["MegatronActor", "micro_batches"]
+__all__ = ["MegatronActor"]
