@@ -6,8 +6,19 @@ reports the ratio; absolute times are printed only next to their ratio.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+
+def emit(lines: list[str], out: str | Path | None) -> str:
+    """A benchmark's report: printed, and written to `out` when given."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+    return text
 
 
 @dataclass

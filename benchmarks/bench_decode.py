@@ -13,13 +13,13 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 import lockstep.kernels as K
+from _harness import emit
 
 H, NH, NKV, D, I, V, LAYERS = 4096, 32, 8, 128, 12288, 151936, 36
 
@@ -110,10 +110,7 @@ def main() -> None:
     lines.append(f"| **step estimate ({LAYERS} layers + head), ms** | {step_ours / 1e3:.2f} | {step_stock / 1e3:.2f} | "
                  f"{step_ours / step_stock:.2f} |")
     lines += ["", "Row-parallel GEMM (TP 1: the fixed 8-way split-K) vs cuBLAS (bf16):", ""] + row_parallel_table()
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _harness import emit
+
 SHAPES = {
     "1.7b": dict(model="qwen3-1.7b", prompt=64, new=256, requests=128),
     "8b": dict(model="qwen3-8b", prompt=64, new=1024, requests=128),
@@ -196,10 +198,7 @@ def main() -> None:
             lines.append(f"| {shape} | {r['config']} | {r['tokens']} | {r['gen_s']:.2f} | {tps:,.0f} | "
                          f"{tps / base:.3f} | {r['startup_s']:.0f} | {note} |" if base else
                          f"| {shape} | {r['config']} | {r['tokens']} | {r['gen_s']:.2f} | {tps:,.0f} | | {r['startup_s']:.0f} | {note} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import socket
 import time
-from pathlib import Path
 
 import torch
 
 from bench_rollout import model_shape
+from _harness import emit
 
 PROMPT = 64
 PROVIDER = "lockstep.kernels.provider:linear_logp_provider"
@@ -97,9 +97,7 @@ def main() -> None:
     for b in batches:
         cells = [f"{r[0]:.2f} ({r[1]:.1f} s)" if (r := results[(b, m)]) else "OOM" for m in budgets]
         lines.append(f"| {b} ({b * args.length:,}) | " + " | ".join(cells) + " |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).write_text(text)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from lockstep.framework.tracking.jsonl import read_jsonl
 from lockstep.launch import cli
+from _harness import emit
 
 TIMES = ["perf/step_s", "perf/rollout_s", "perf/logp_s", "perf/train_s", "perf/weight_sync_s"]
 SYNC = ["perf/weight_verify_total_s", "perf/weight_load_total_s", "perf/weight_load_send_gather_s",
@@ -69,10 +70,7 @@ def main() -> None:
         lines += ["", f"{title}:", "", "| metric | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
         for k in keys:
             lines.append(f"| {k} | " + " | ".join(f"{mean(results[m], k):.4g}" for m in modes) + " |")
-    text = "\n".join(lines) + "\n"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "e2e.md").write_text(text)
-    print(text)
+    emit(lines, out / "e2e.md")
 
 
 if __name__ == "__main__":

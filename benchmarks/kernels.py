@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from _harness import emit  # noqa: E402
 import bench_attention  # noqa: E402
 import bench_logp  # noqa: E402
 import bench_matmul  # noqa: E402
@@ -35,10 +36,7 @@ def main() -> None:
             lines.append(f"### {title}: FAILED\n\n```\n{traceback.format_exc()}```\n")
         lines.append(f"({title}: {time.perf_counter() - t0:.0f} s)\n")
         print("\n".join(lines[-2:]), flush=True)
-    text = "\n".join(lines)
-    if len(sys.argv) > 1:
-        Path(sys.argv[1]).write_text(text)
-    print(text)
+    emit(lines, sys.argv[1] if len(sys.argv) > 1 else None)
 
 
 if __name__ == "__main__":

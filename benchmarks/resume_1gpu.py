@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lockstep.framework.tracking.jsonl import computed, read_jsonl
 from lockstep.launch import cli
+from _harness import emit
 
 
 def main() -> None:
@@ -46,9 +47,7 @@ def main() -> None:
                      f"{b.get('train/loss')} |")
     lines.append("")
     lines.append("resumed steps equal the straight run's bit for bit" if ok else "RESUME DIFFERS")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    (out / "resume.md").write_text(text)
+    emit(lines, out / "resume.md")
     sys.exit(0 if ok else 1)
 
 
