@@ -1,5 +1,7 @@
-"""lockstep's Triton attention against torch SDPA (flash backend), bf16, Qwen3-8B heads (32 query
-heads, 8 kv heads, head_dim 128), on one CUDA device.
+"""lockstep's Triton attention against torch SDPA at its fastest, bf16, Qwen3-8B heads (32 query
+heads, 8 kv heads, head_dim 128), on one CUDA device. The baseline of every row is the fastest of
+torch's own choice and each backend forced (flash, cuDNN, memory-efficient) that accepts the inputs,
+with `enable_gqa=True` as a user would call it; the row names the backend that won.
 
 - training: `varlen_attention` forward + backward on packed 4k-token sequences (4k and 16k tokens
   in all) vs SDPA causal on the same sequences as a [B, 4k] batch; target >= 0.75x SDPA throughput.
@@ -11,13 +13,13 @@ heads, 8 kv heads, head_dim 128), on one CUDA device.
   calls, so a decode step times the kernels, not Python; a cell whose two caches do not fit in
   free memory is skipped and says so.
 
-Ratios are SDPA time / lockstep time (throughput ratios). GQA on the SDPA side: `enable_gqa=True`
-when the flash backend accepts it, else K/V expanded to 32 heads before timing (the title says which).
+Ratios are SDPA time / lockstep time (throughput ratios).
 
     python benchmarks/bench_attention.py
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -47,41 +49,47 @@ def _randn(*shape):
     return torch.randn(*shape, device="cuda", dtype=DTYPE)
 
 
-def _sdpa_gqa_native() -> bool:
-    """Whether the flash backend takes enable_gqa (else the baseline expands K/V)."""
-    q, kv = _randn(1, HEADS, 16, HEAD_DIM), _randn(1, KV_HEADS, 16, HEAD_DIM)
-    try:
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
-    except RuntimeError:
-        return False
-    return True
+SDPA_BACKENDS = {"torch default": None, "flash": SDPBackend.FLASH_ATTENTION, "cuDNN": SDPBackend.CUDNN_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
-def _sdpa(gqa_native: bool):
-    """SDPA-flash on [B, H, T, D] queries and [B, Hkv, S, D] keys/values."""
-    def call(q, k, v, causal):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=SCALE, enable_gqa=True)
-
-    def call_expanded(q, k, v, causal):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=SCALE)
-
-    return call if gqa_native else call_expanded
+def sdpa(backend, q, k, v, causal):
+    """torch SDPA on [B, H, T, D] queries and [B, Hkv, S, D] keys/values; backend None: torch's choice."""
+    with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=SCALE, enable_gqa=True)
 
 
-def _kv_for_sdpa(t: torch.Tensor, gqa_native: bool) -> torch.Tensor:
-    return t if gqa_native else t.repeat_interleave(HEADS // KV_HEADS, dim=1)
+def fastest_sdpa(timer, call) -> tuple[float, str]:
+    """(ms, name) of the fastest SDPA backend for call(backend), timed by timer(fn) -> ms; a backend
+    that refuses the inputs (head dim, GQA, dtype) or the timer's CUDA-graph capture is left out."""
+    times = {}
+    for name, backend in SDPA_BACKENDS.items():
+        def fn(backend=backend):
+            return call(backend)
+        try:
+            fn()
+            torch.cuda.synchronize()
+            times[name] = timer(fn)
+        except RuntimeError:  # refused eagerly, or not capturable in a CUDA graph
+            continue
+    if not times:
+        raise RuntimeError("no torch SDPA backend accepts these inputs")
+    best = min(times, key=times.get)
+    return times[best], best
 
 
-def _row(label, sdpa_ms, ours_ms, kind):
+def _ms(fn) -> float:
+    return measure(fn).ms
+
+
+def _row(label, baseline: tuple[float, str], ours_ms, kind):
+    sdpa_ms, backend = baseline
     ratio = sdpa_ms / ours_ms
     target = TARGETS[kind]
-    return [*label, sdpa_ms, ours_ms, ratio, f">={target:.2f}", "pass" if ratio >= target else "miss"]
+    return [*label, backend, sdpa_ms, ours_ms, ratio, f">={target:.2f}", "pass" if ratio >= target else "miss"]
 
 
-def training_table(sdpa, gqa_native) -> str:
+def training_table() -> str:
     rows = []
     for tokens in TRAIN_TOKENS:
         b = tokens // SEQ
@@ -96,16 +104,15 @@ def training_table(sdpa, gqa_native) -> str:
         def batch(t):  # [B*SEQ, heads, D] -> [B, heads, SEQ, D]
             return t.detach().view(b, SEQ, t.shape[1], HEAD_DIM).transpose(1, 2).contiguous()
 
-        qb = batch(q).requires_grad_()
-        kb, vb = (_kv_for_sdpa(batch(t), gqa_native).requires_grad_() for t in (k, v))
+        qb, kb, vb = (batch(t).requires_grad_() for t in (q, k, v))
         grad_b = batch(grad)
 
-        def baseline():
-            torch.autograd.grad(sdpa(qb, kb, vb, True), (qb, kb, vb), grad_b)
+        def baseline(backend):
+            torch.autograd.grad(sdpa(backend, qb, kb, vb, True), (qb, kb, vb), grad_b)
 
-        rows.append(_row([tokens, f"{b} x {SEQ}"], measure(baseline).ms, measure(ours).ms, "training"))
-    columns = ["tokens", "sequences", "SDPA ms", "lockstep ms", "ratio", "target", "pass/miss"]
-    return markdown_table("Training: varlen_attention forward+backward vs SDPA-flash (causal)", columns, rows)
+        rows.append(_row([tokens, f"{b} x {SEQ}"], fastest_sdpa(_ms, baseline), measure(ours).ms, "training"))
+    columns = ["tokens", "sequences", "fastest SDPA", "SDPA ms", "lockstep ms", "ratio", "target", "pass/miss"]
+    return markdown_table("Training: varlen_attention forward+backward vs the fastest torch SDPA (causal)", columns, rows)
 
 
 def _paged_cache(batch: int, context: int):
@@ -116,7 +123,7 @@ def _paged_cache(batch: int, context: int):
     return k_cache, v_cache, table
 
 
-def prefill_table(sdpa, gqa_native) -> str:
+def prefill_table() -> str:
     rows = []
     for tokens in PREFILL_TOKENS:
         q = _randn(tokens, HEADS, HEAD_DIM)
@@ -125,25 +132,25 @@ def prefill_table(sdpa, gqa_native) -> str:
         qsl = torch.tensor([0, tokens], device="cuda", dtype=torch.int32)
         ours_ms = measure(lambda: K.paged_attention(q, k_cache, v_cache, table, seq_lens, qsl, SCALE, tokens, tokens)).ms
         qb = q.view(1, tokens, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
-        kb, vb = (_kv_for_sdpa(_randn(1, KV_HEADS, tokens, HEAD_DIM), gqa_native) for _ in range(2))
-        rows.append(_row([tokens], measure(lambda: sdpa(qb, kb, vb, True)).ms, ours_ms, "prefill"))
+        kb, vb = (_randn(1, KV_HEADS, tokens, HEAD_DIM) for _ in range(2))
+        rows.append(_row([tokens], fastest_sdpa(_ms, lambda backend: sdpa(backend, qb, kb, vb, True)), ours_ms,
+                         "prefill"))
         del k_cache, v_cache
-    columns = ["prompt tokens", "SDPA ms", "lockstep ms", "ratio", "target", "pass/miss"]
-    return markdown_table(f"Prefill: paged_attention (page {PAGE}) vs SDPA-flash (causal)", columns, rows)
+    columns = ["prompt tokens", "fastest SDPA", "SDPA ms", "lockstep ms", "ratio", "target", "pass/miss"]
+    return markdown_table(f"Prefill: paged_attention (page {PAGE}) vs the fastest torch SDPA (causal)", columns, rows)
 
 
-def _decode_fits(batch: int, context: int, gqa_native: bool) -> bool:
+def _decode_fits(batch: int, context: int) -> bool:
     one_cache = 2 * batch * context * KV_HEADS * HEAD_DIM * DTYPE.itemsize  # K and V
-    sdpa_cache = one_cache * (1 if gqa_native else HEADS // KV_HEADS)
-    return one_cache + sdpa_cache < 0.9 * torch.cuda.mem_get_info()[0]
+    return 2 * one_cache < 0.9 * torch.cuda.mem_get_info()[0]  # the paged one and SDPA's contiguous one
 
 
-def decode_table(sdpa, gqa_native) -> str:
+def decode_table() -> str:
     rows = []
     for batch in DECODE_BATCH:
         for context in DECODE_CONTEXT:
-            if not _decode_fits(batch, context, gqa_native):
-                rows.append([batch, context, "-", "-", "-", f">={TARGETS['decode']:.2f}", "skipped (memory)"])
+            if not _decode_fits(batch, context):
+                rows.append([batch, context, "-", "-", "-", "-", f">={TARGETS['decode']:.2f}", "skipped (memory)"])
                 continue
             q = _randn(batch, HEADS, HEAD_DIM)
             k_cache, v_cache, table = _paged_cache(batch, context)
@@ -152,12 +159,13 @@ def decode_table(sdpa, gqa_native) -> str:
             ours_ms = graph_ms_per_call(lambda: K.paged_attention(q, k_cache, v_cache, table, seq_lens, qsl, SCALE, 1, context))
             del k_cache, v_cache
             qb = q.view(batch, HEADS, 1, HEAD_DIM)
-            kb, vb = (_kv_for_sdpa(_randn(batch, KV_HEADS, context, HEAD_DIM), gqa_native) for _ in range(2))
-            rows.append(_row([batch, context], graph_ms_per_call(lambda: sdpa(qb, kb, vb, False)), ours_ms, "decode"))
+            kb, vb = (_randn(batch, KV_HEADS, context, HEAD_DIM) for _ in range(2))
+            best = fastest_sdpa(graph_ms_per_call, lambda backend: sdpa(backend, qb, kb, vb, False))
+            rows.append(_row([batch, context], best, ours_ms, "decode"))
             del kb, vb
             torch.cuda.empty_cache()
-    columns = ["batch", "context", "SDPA ms", "lockstep ms", "ratio", "target", "pass/miss"]
-    return markdown_table(f"Decode: paged_attention (page {PAGE}, random page order) vs SDPA-flash "
+    columns = ["batch", "context", "fastest SDPA", "SDPA ms", "lockstep ms", "ratio", "target", "pass/miss"]
+    return markdown_table(f"Decode: paged_attention (page {PAGE}, random page order) vs the fastest torch SDPA "
                           "(contiguous cache), CUDA graphs", columns, rows)
 
 
@@ -166,12 +174,9 @@ def run(out_md_lines: list[str]) -> None:
     if not torch.cuda.is_available():
         raise RuntimeError("bench_attention needs a CUDA device")
     with K.using_backend("triton"):
-        gqa_native = _sdpa_gqa_native()
-        sdpa = _sdpa(gqa_native)
-        out_md_lines.append(f"SDPA GQA: {'enable_gqa=True' if gqa_native else 'K/V expanded to 32 heads'}\n")
-        out_md_lines.append(training_table(sdpa, gqa_native))
-        out_md_lines.append(prefill_table(sdpa, gqa_native))
-        out_md_lines.append(decode_table(sdpa, gqa_native))
+        out_md_lines.append(training_table())
+        out_md_lines.append(prefill_table())
+        out_md_lines.append(decode_table())
 
 
 if __name__ == "__main__":
