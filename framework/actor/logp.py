@@ -86,7 +86,7 @@ def sample_groups(rollout: Rollout, samples: torch.Tensor, max_tokens: int | Non
     so actor.max_tokens_per_gpu bounds the activations alive at once, whatever the batch."""
     if max_tokens is None:
         return [samples] if samples.numel() else []
-    lengths = (rollout.prompt_lens + rollout.response_lens)[samples].tolist()
+    lengths = rollout.seq_lens[samples].tolist()
     return [samples[g] for g in micro_batches(lengths, max_tokens, packed)]
 
 
@@ -101,7 +101,7 @@ class Packed(NamedTuple):
 
     @classmethod
     def of(cls, rollout: Rollout, idx: torch.Tensor, device) -> "Packed":
-        lens = (rollout.prompt_lens + rollout.response_lens)[idx]
+        lens = rollout.seq_lens[idx]
         rows = torch.repeat_interleave(torch.arange(len(idx)), lens)
         ends = lens.cumsum(0)
         cols = torch.arange(int(ends[-1])) - (ends - lens)[rows]
@@ -133,7 +133,7 @@ def model_logp(model, rollout: Rollout, samples: torch.Tensor, *, real_vocab_siz
             p = Packed.of(rollout, idx, dev)
             hidden = p.unpack(model(p.tokens, p.positions, cu_seqlens=p.cu_seqlens))
         else:
-            width = int((rollout.prompt_lens + rollout.response_lens)[idx].max())
+            width = int(rollout.seq_lens[idx].max())
             tokens = rollout.tokens[idx, :width].to(dev)
             b, length = tokens.shape
             hidden = model(tokens, torch.arange(length, device=dev).expand(b, length))

@@ -53,6 +53,11 @@ class Rollout:
     def batch_size(self) -> int:
         return self.tokens.shape[0]
 
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """[B] tokens of each sample, prompt and response."""
+        return self.prompt_lens + self.response_lens
+
     def response_mask(self) -> torch.Tensor:
         r = self.logp.shape[1]
         return torch.arange(r)[None, :] < self.response_lens[:, None]

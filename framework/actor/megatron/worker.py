@@ -144,7 +144,7 @@ class MegatronActor(Actor):
         if self.pack:
             score_samples(out, packed_hidden_states(model, Packed.of(rollout, idx, dev)), rollout, idx, token_logp)
             return
-        width = int((rollout.prompt_lens + rollout.response_lens)[idx].max())
+        width = int(rollout.seq_lens[idx].max())
         hidden, positions = hidden_states(model, rollout.tokens[idx, :width].to(dev), self.cp_group, self.cp,
                                           self.cp_rank)  # [b, s_local, h]
         score_samples(out, hidden, rollout, idx, token_logp, positions if self.cp > 1 else None)
