@@ -2,6 +2,7 @@
 lockstep (strict) and lockstep's native engine (strict), on dummy (random) weights.
 
     python benchmarks/bench_rollout.py OUT.md [--shapes 1.7b,8b] [--configs stock,batch_invariant,lockstep,native]
+                                              [--profile-steps N]
 
 Workloads (the issue's): 1.7b = Qwen3-1.7B shape, 128 requests x (64 prompt + 256 new tokens);
 8b = Qwen3-8B shape, 128 x (64 + 1024) (the reference workload's batch). Every request samples at
@@ -11,6 +12,11 @@ runs in its own process (vLLM's batch-invariant switch is read at import): engin
 apart from the generation. Baselines at their best: vLLM 0.26's defaults (torch.compile + CUDA
 graphs FULL_AND_PIECEWISE, FlashAttention 3 on Hopper), gpu_memory_utilization 0.85 for every vLLM
 config. The native engine runs a shorter generation at the 8B shape (--native-new-8b) and says so.
+
+--profile-steps N (vLLM configs): after the timed generation, the same requests generate N more
+tokens under torch.profiler, with vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+and OUT.<shape>-<config>.profile.md gets the wall time per step, the GPU-busy time per step and the
+kernels by total GPU time: where a decode step spends its time inside the real engine.
 """
 from __future__ import annotations
 
@@ -49,8 +55,40 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(10, min(vocab, 150000), (n, length), generator=g).tolist()
 
 
-def run_vllm(config: str, shape: dict, out: dict) -> None:
+def profile_generate(llm, ps, steps: int, path: str) -> None:
+    """One generate of `steps` new tokens per request under torch.profiler: a markdown summary."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, max_tokens=steps, ignore_eos=True, seed=i, logprobs=0, detokenize=False)
+              for i in range(len(ps))]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(ps, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    busy = sum(e.device_time_total for e in kernels) / 1e3  # ms
+    lines = [f"{len(ps)} requests x {steps} new tokens (one prefill + {steps - 1} decode steps): wall "
+             f"{wall * 1e3 / steps:.2f} ms per step, GPU busy {busy / steps:.2f} ms per step", "",
+             "| kernel | calls | GPU ms per step | share of busy |", "|---|---|---|---|"]
+    for e in kernels[:30]:
+        lines.append(f"| `{e.key[:90]}` | {e.count} | {e.device_time_total / 1e3 / steps:.3f} | "
+                     f"{e.device_time_total / 1e3 / busy:.1%} |")
+    cpu = sorted((e for e in prof.key_averages() if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)
+    lines += ["", "| host op (self CPU) | calls | ms per step |", "|---|---|---|"]
+    lines += [f"| `{e.key[:90]}` | {e.count} | {e.self_cpu_time_total / 1e3 / steps:.3f} |" for e in cpu[:25]]
+    emit(lines, path)
+
+
+def run_vllm(config: str, shape: dict, out: dict, profile_steps: int = 0, profile_path: str | None = None) -> None:
     from lockstep.framework.models.qwen3 import Qwen3Config
+
+    if profile_steps:  # the engine core in this process, where torch.profiler sees its kernels
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     cfg = Qwen3Config(**model_shape(shape["model"]))
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
@@ -94,6 +132,8 @@ def run_vllm(config: str, shape: dict, out: dict) -> None:
     if config == "lockstep":  # evidence that lockstep's attention and logprob ran in the worker
         calls = llm.collective_rpc("lockstep_readback")[0]["kernel_calls"]
         out["note"] = f"paged_attention calls {calls['paged_attention']}, linear_logp calls {calls['linear_logp']}"
+    if profile_steps:
+        profile_generate(llm, ps, profile_steps, profile_path)
 
 
 def run_native(shape: dict, out: dict, new_tokens: int) -> None:
@@ -134,7 +174,8 @@ def child(args) -> None:
         if args.child == "native":
             run_native(shape, out, shape["new"] if args.shape != "8b" else args.native_new_8b)
         else:
-            run_vllm(args.child, shape, out)
+            run_vllm(args.child, shape, out, args.profile_steps,
+                     f"{args.profile_out}.{args.shape}-{args.child}.profile.md" if args.profile_out else None)
     except Exception as e:  # noqa: BLE001 - reported in the table
         out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     print("RESULT " + json.dumps(out), flush=True)
@@ -147,6 +188,8 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--native-new-8b", type=int, default=128)
     p.add_argument("--timeout", type=int, default=400, help="seconds per config")
+    p.add_argument("--profile-steps", type=int, default=0, help="vLLM configs: profile this many more steps")
+    p.add_argument("--profile-out", help=argparse.SUPPRESS)
     p.add_argument("--child")
     p.add_argument("--shape")
     args = p.parse_args()
@@ -155,7 +198,10 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         for config in args.configs.split(","):
-            cmd = [sys.executable, __file__, "--child", config, "--shape", shape, "--native-new-8b", str(args.native_new_8b)]
+            cmd = [sys.executable, __file__, "--child", config, "--shape", shape, "--native-new-8b", str(args.native_new_8b),
+                   "--profile-steps", str(args.profile_steps)]
+            if args.out:
+                cmd += ["--profile-out", str(Path(args.out).with_suffix(""))]
             t0 = time.perf_counter()
             # its own session: a timed-out config's vLLM engine-core process dies with it (else it keeps
             # the GPU's memory and every later config fails to start)

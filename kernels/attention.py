@@ -89,6 +89,33 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return _paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, max_query_len, max_seq_len)
 
 
+def write_paged_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, Hkv, D] into a paged cache (k_cache, v_cache [num_blocks, Hkv, page_size, D],
+    views with equal strides) at slot_mapping [T'] (slot = block * page_size + offset; -1: a padding
+    row, skipped; only the first min(T, T') rows are written). An exact copy, in place, with no
+    data-dependent shape and no host sync (capturable in a CUDA graph). Slot 0 of block 0 must not
+    be a real slot of a batch with padding rows (vLLM never hands out its null block 0): the torch
+    reference parks padding rows there."""
+    if key.shape != value.shape or key.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape \
+            or key.shape[1:] != (k_cache.shape[1], k_cache.shape[3]):
+        raise ValueError(f"write_paged_kv: key {tuple(key.shape)} value {tuple(value.shape)} do not fit the cache "
+                         f"k {tuple(k_cache.shape)} v {tuple(v_cache.shape)} ([blocks, kv heads, page, head dim])")
+    _write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _reference_write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Padding rows go to slot 0 of block 0 and write back what is there (no masked shape)."""
+    bs = k_cache.shape[2]
+    n = min(slot_mapping.shape[0], key.shape[0])
+    slots = slot_mapping[:n].long()
+    valid = (slots >= 0)[:, None, None]
+    safe = slots.clamp_min(0)
+    block, offset = safe // bs, safe % bs
+    k_cache[block, :, offset] = torch.where(valid, key[:n].to(k_cache.dtype), k_cache[block, :, offset])
+    v_cache[block, :, offset] = torch.where(valid, value[:n].to(v_cache.dtype), v_cache[block, :, offset])
+
+
 def _reference_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, max_query_len, max_seq_len):
     n_queries = query_start_loc[1:] - query_start_loc[:-1]
     if q.shape[0] == 0:
@@ -170,3 +197,4 @@ def _reference(q, k, v, q_pos, scale):
 _causal = KernelOp("causal_attention", _reference, "attention:causal_attention")
 _varlen = KernelOp("varlen_attention", _reference_varlen, "attention:varlen_attention")
 _paged = KernelOp("paged_attention", _reference_paged, "attention:paged_attention")
+_write_kv = KernelOp("write_paged_kv", _reference_write_kv, "kvcache:write_paged_kv")

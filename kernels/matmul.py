@@ -1,4 +1,4 @@
-"""Batch-invariant GEMM: `matmul(a, b)` and `linear(x, weight, bias)`.
+"""Batch-invariant GEMM: `matmul(a, b)`, `linear(x, weight, bias)` and `linear_rows`.
 
 Invariance rule: the K reduction of a row never depends on M (no split-K chosen from M).
 """
@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from lockstep.kernels._backend import KernelOp
+from lockstep.kernels._backend import KernelOp, get_backend
 from lockstep.kernels._invariant import tiled_mm
 
 
@@ -42,3 +42,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: x [..., {weight.shape[1] if weight.dim() == 2 else '?'}] expected "
                          f"for weight {tuple(weight.shape)}, got x {tuple(x.shape)}")
     return _linear(x, weight, bias)
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """x @ block^T for the consecutive row blocks of `weight` (a fused q/k/v or gate/up weight) with
+    `sizes` rows each: bitwise what `linear(x, block)` gives for each block alone.
+
+    The Triton GEMM computes every output element by the same fixed K steps whatever N is and
+    wherever the element's column falls in its tile, so one launch over the fused weight serves
+    every block (a decode-sized product of a 1,024-row k or v weight alone fills 8 of 132 SMs).
+    The torch reference's library GEMM makes no such promise across N: one call per block."""
+    if sum(sizes) != weight.shape[0]:
+        raise ValueError(f"linear_rows: sizes {tuple(sizes)} do not add up to the weight's {weight.shape[0]} rows")
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    if get_backend() == "triton":
+        out = linear(x, weight)
+        return tuple(out[..., a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+    # slices, not Tensor.split: Dynamo cannot trace split on vLLM's parameter subclasses
+    return tuple(linear(x, weight[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))

@@ -4,7 +4,7 @@ print where every rank goes and what each GPU will hold. Needs no GPU (and no Ra
 Checks (each error names the knob): the actor's tp x cp x pp x dp ranks fill the node's GPUs
 (recipe.gpus); engines x engine TP fill them too; on a colocated GPU the actor's and the engine's
 fractions fit in one; tensor-parallel sizes divide the attention heads, the KV heads, the
-intermediate size, lockstep's 8 canonical K chunks (row-parallel GEMMs) and 32 vocab chunks (the
+intermediate size, lockstep's 8 canonical K chunks (row-parallel GEMMs) and 64 vocab chunks (the
 logprob); pp is 1 (the megatron actor runs no pipeline parallelism). The memory estimate is per GPU:
 actor parameters, fp32 gradients and the distributed optimizer's fp32 master weights and Adam moments
 (sharded over dp x cp), activations at actor.max_tokens_per_gpu (34 bytes x hidden per token and

@@ -12,11 +12,8 @@ blocks, chunks and tiles). The Triton backend runs these tests on the GPU when t
 Triton's interpreter (tests/conftest.py). The GPU tier repeats the central check in bf16 at Qwen3-8B
 head shapes and sequences of 1-3k tokens.
 """
-import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -277,29 +274,19 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
 
 
 _MMA_PROBE = r"""
-import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
+from sm90 import compile_sm90
 from lockstep.kernels._triton import attention as A
 
 INTS = {"stride_table", "page_size", "stride_page", "stride_head", "stride_slot", "n_heads", "min_queries", "n_chunks"}
-POINTEE = {"lse": "fp32", "part_m": "fp32", "part_l": "fp32", "part_acc": "fp32", "q_begin": "i32", "q_count": "i32",
-           "q_pos": "i32", "page_table": "i32"}
-
-def mma_layouts(kernel, cfg, **constexprs):
-    names = [n for n in kernel.arg_names if n not in constexprs]
-    sig = {n: "fp32" if n == "qk_scale" else "i32" if n in INTS else "*" + POINTEE.get(n, "bf16") for n in names}
-    # what the launcher's specialisation tells the compiler: 16-byte aligned pointers and strides
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n.startswith("stride")}
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-    return sorted(set(re.findall(r"nvidia_mma<\{versionMajor = (\d).*?instrShape = (\[[\d, ]+\])",
-                                 compiled.asm["ttgir"])))
-
+POINTEE = {"lse": "fp32", "tickets": "i32", "part_m": "fp32", "part_l": "fp32", "part_acc": "fp32", "q_begin": "i32",
+           "q_count": "i32", "q_pos": "i32", "page_table": "i32"}
+types = lambda n: "fp32" if n == "qk_scale" else "i32" if n in INTS else "*" + POINTEE.get(n, "bf16")
 common = dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK)
-prefill = mma_layouts(A._prefill_kernel, A.TUNING["prefill"], BLOCK_Q=A.TUNING["prefill"]["BLOCK_Q"], **common)
-decode = mma_layouts(A._decode_chunk_kernel, A.TUNING["decode"], ROWS=A.decode_rows(4), **common)
+cfg = A.TUNING["prefill"]
+prefill = compile_sm90(A._prefill_kernel, types, dict(BLOCK_Q=cfg["BLOCK_Q"], **common), cfg["num_warps"], cfg["num_stages"])
+cfg = A.TUNING["decode"]
+decode = compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=A.decode_rows(4), **common), cfg["num_warps"], cfg["num_stages"])
 print(json.dumps([prefill, decode]))
 """
 
@@ -307,18 +294,13 @@ print(json.dumps([prefill, decode]))
 def test_decode_and_prefill_multiply_with_the_same_mma_instructions():
     """The GPU premise of the bitwise contract, checked without a GPU: compiled for sm_90 (bf16,
     Qwen3-8B heads), the decode and prefill kernels use the same MMA instruction shapes (wgmma), so
-    a row's q.k, P@V and row-sum dots are the same instructions in both."""
-    pytest.importorskip("triton")
-    from triton.backends import backends
+    a row's q.k, P@V and row-sum dots are the same instructions in both; and neither spills."""
+    from sm90 import probe
 
-    if "nvidia" not in backends:
-        pytest.skip("this Triton build has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter does not compile
-    res = subprocess.run([sys.executable, "-c", _MMA_PROBE], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    prefill, decode = json.loads(res.stdout.splitlines()[-1])
-    assert prefill == decode, f"prefill MMAs {prefill} != decode MMAs {decode}"
-    assert {version for version, _ in prefill} == {"3"}, f"expected wgmma (MMA v3) only, got {prefill}"
+    prefill, decode = probe(_MMA_PROBE)
+    assert prefill["mma"] == decode["mma"], f"prefill MMAs {prefill['mma']} != decode MMAs {decode['mma']}"
+    assert {version for version, _ in prefill["mma"]} == {"3"}, f"expected wgmma (MMA v3) only, got {prefill['mma']}"
+    assert prefill["spill_bytes"] == decode["spill_bytes"] == 0, (prefill, decode)
 
 
 def test_custom_ops(triton_backend):
@@ -333,6 +315,26 @@ def test_custom_ops(triton_backend):
     torch.library.opcheck(torch.ops.lockstep.paged_attention,
                           (q, cache, cache, as_i32([[0, 1], [2, 3]]), as_i32([19, 5]), cu, 0.25, 19, 19),
                           test_utils=checks[::2])
+
+
+@pytest.mark.parametrize("hkv,d", [(2, 16), (3, 24)])  # a kv-head count and head dim off the powers of two
+def test_write_paged_kv_copies_into_the_slots(device, hkv, d):
+    """New keys/values land exactly in their [block, head, offset] slots of both cache views of one
+    buffer (vLLM's [blocks, kv heads, page, 2 * D] layout); padding rows (-1) write nothing. Block 0
+    stays unassigned, as vLLM's null block is (the torch reference parks padding rows there)."""
+    page, blocks = 4, 6
+    kv = torch.full((blocks, hkv, page, 2 * d), float("nan"), device=device)
+    k_cache, v_cache = kv[..., :d], kv[..., d:]
+    slots = torch.tensor([5, -1, 7, 23, -1, 9], device=device)
+    key, value = (torch.randn(6, hkv, d, device=device) for _ in range(2))
+    K.write_paged_kv(key, value, k_cache, v_cache, slots[:5])  # the last row has no slot: not written
+    expect = torch.full_like(kv, float("nan"))
+    for row, slot in enumerate(slots[:5].tolist()):
+        if slot >= 0:
+            expect[slot // page, :, slot % page, :d], expect[slot // page, :, slot % page, d:] = key[row], value[row]
+    assert torch.equal(kv.nan_to_num(-7.0), expect.nan_to_num(-7.0))
+    with pytest.raises(ValueError, match="do not fit the cache"):
+        K.write_paged_kv(key[:, :1], value[:, :1], k_cache, v_cache, slots)
 
 
 def test_shape_errors(device):

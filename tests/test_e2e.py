@@ -110,9 +110,12 @@ def test_a_dead_engine_is_the_error_the_user_sees(ray_session, tmp_path, capsys)
             metrics = tmp_path / "metrics.jsonl"
             if metrics.exists() and metrics.read_text().endswith("\n"):  # step 1 logged
                 for p in psutil.Process().children(recursive=True):  # this session's Ray workers only
-                    if any("ray::NativeRolloutEngine" in c for c in p.cmdline()):
-                        p.kill()
-                        return
+                    try:
+                        if any("ray::NativeRolloutEngine" in c for c in p.cmdline()):
+                            p.kill()
+                            return
+                    except psutil.Error:  # a worker that exited (or a zombie) since the listing
+                        continue
             time.sleep(0.05)
 
     killer = threading.Thread(target=kill_engine_after_step_1)

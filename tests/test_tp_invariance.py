@@ -14,7 +14,7 @@ from lockstep.framework.weights.sync import sync_weights
 
 optional("megatron.core")
 
-# 4 KV heads so that TP 4 shards them; head_dim 32; vocab 64 = 32 chunks of 2 ids
+# 4 KV heads so that TP 4 shards them; head_dim 32; vocab 64 = 64 chunks of 1 id
 SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=4, head_dim=32, max_position_embeddings=128)
 REAL_VOCAB = 60

@@ -159,6 +159,96 @@ def test_gemm_shape_errors():
         K.matmul(torch.randn(3, 4), torch.randn(4, 6, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_rows_equals_one_linear_per_block(dtype):
+    """One launch over a fused weight (block edges off the tile grid, a K tail) gives each block's
+    own linear bits."""
+    x, w = torch.randn(37, 200).to(dtype), torch.randn(72 + 24 + 24, 200).to(dtype)
+    sizes = (72, 24, 24)
+    got = K.linear_rows(x, w, sizes)
+    assert [tuple(g.shape) for g in got] == [(37, 72), (37, 24), (37, 24)]
+    assert all(torch.equal(g, K.linear(x, w[a:a + n])) for g, a, n in zip(got, (0, 72, 96), sizes))
+    with pytest.raises(ValueError, match="do not add up"):
+        K.linear_rows(x, w, (72, 24))
+
+
+# ---------------------------------------------------------------- row-parallel GEMM (K-chunk tree)
+
+
+def _chunk_products(x, w, chunk):
+    """Each chunk's fp32 product on its own (a one-chunk tree is the bare chunk GEMM)."""
+    from lockstep.kernels._triton.splitk import row_tree
+
+    return [row_tree(x[:, lo:lo + chunk].contiguous(), w[:, lo:lo + chunk].contiguous(), chunk, torch.float32)
+            for lo in range(0, x.shape[1], chunk)]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # masked lanes, interpreter
+@pytest.mark.parametrize("dtype,k", [(torch.float32, 64), (torch.bfloat16, 512)])  # chunk 8 < BLOCK_K; 64
+def test_row_tree_is_the_canonical_tree_at_every_split(dtype, k):
+    """The one-launch row-parallel GEMM sums the 8 chunk products in the balanced tree, whichever
+    number of programs shares a tile (1: the whole tree in registers; 2/4/8: subtree roots through
+    the workspace, the last program to arrive adds them)."""
+    from lockstep.kernels.collectives import tree_sum_ranks
+    from lockstep.kernels._triton.splitk import row_tree
+
+    x, w = torch.randn(70, k).to(dtype), torch.randn(40, k).to(dtype)
+    chunk = k // 8
+    parts = _chunk_products(x, w, chunk)
+    tree = tree_sum_ranks(parts)
+    in_order = parts[0]
+    for p in parts[1:]:
+        in_order = in_order + p
+    assert not torch.equal(tree, in_order), "negative control: another order must give other bits here"
+    rounded = row_tree(x, w, chunk, dtype, split=1)
+    for split in (1, 2, 4, 8):
+        assert torch.equal(row_tree(x, w, chunk, torch.float32, split=split), tree), f"split {split}"
+        assert torch.equal(row_tree(x, w, chunk, dtype, split=split), rounded), f"split {split}"
+    # a TP rank's share (4 of the 8 chunks): its subtree root, at each split it allows
+    half = [row_tree(x[:, :k // 2].contiguous(), w[:, :k // 2].contiguous(), chunk, torch.float32, split=s)
+            for s in (1, 2, 4)]
+    assert all(torch.equal(h, tree_sum_ranks(parts[:4])) for h in half)
+    with pytest.raises(ValueError, match="split 8 must be"):
+        row_tree(x[:, :k // 2].contiguous(), w[:, :k // 2].contiguous(), chunk, torch.float32, split=8)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_row_parallel_linear_row_invariant():
+    w = torch.randn(24, 64)
+    _assert_row_invariant(lambda x: K.row_parallel_linear(x, w), lambda m: (torch.randn(m, 64),),
+                          (torch.randn(64),), sizes=[1, 17, 70])
+
+
+_ROW_TREE_PROBE = r"""
+import json
+from sm90 import compile_sm90
+from lockstep.kernels._triton import splitk as S
+from lockstep.kernels._triton.matmul_configs import ROW_CONFIGS_16BIT
+
+out = []
+for _, cfg in ROW_CONFIGS_16BIT:
+    descs = {"x_desc": f"tensordesc<bf16[{cfg.block_m}, 1, 64]>", "w_desc": f"tensordesc<bf16[{cfg.block_n}, 1, 64]>",
+             "out_ptr": "*bf16", "ws_ptr": "*fp32", "ticket_ptr": "*i32"}
+    for split in (1, 2, 4, 8):
+        ce = dict(CHUNKS=8, SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=64, GROUP_M=cfg.group_m,
+                  WIDEN_OPERANDS=False)
+        r = compile_sm90(S._row_tree_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
+        out.append(dict(r, tile=[cfg.block_m, cfg.block_n], split=split))
+print(json.dumps(out))
+"""
+
+
+def test_row_tree_compiles_to_wgmma_without_spills():
+    """Compiled for sm_90 (bf16), every row-parallel tile bucket at every subtree split runs its dots
+    as wgmma (the instruction whose bits the GEMM buckets share) and keeps the accumulator and the
+    tree's waiting subtrees in registers (a spill would put the tree's partials through memory)."""
+    from sm90 import probe
+
+    for r in probe(_ROW_TREE_PROBE):
+        assert {version for version, _ in r["mma"]} == {"3"}, r
+        assert r["spill_bytes"] == 0, r
+
+
 # ---------------------------------------------------------------- RMSNorm
 
 
@@ -316,6 +406,45 @@ def test_gpu_linear_row_invariant_qwen3_8b(k, n):
     _assert_row0_matches_alone(lambda rows: K.linear(rows, w), (x,))
     out = K.linear(x[:256], w).float()
     torch.testing.assert_close(out, x[:256].float() @ w.float().t(), rtol=2**-7, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [4096, 12288], ids=["o_proj", "down_proj"])
+def test_gpu_row_parallel_linear_row_invariant_qwen3_8b(k):
+    """Row 0 of the one-launch row-parallel GEMM at every M bucket (and so at every subtree split
+    the SM count picks) equals row 0 alone; every forced split gives the same bits."""
+    from lockstep.kernels._triton.matmul_configs import ROW_CONFIGS_16BIT, row_config_for
+    from lockstep.kernels._triton.splitk import row_tree
+
+    assert {row_config_for(m, BF16) for m in GPU_M} == {cfg for _, cfg in ROW_CONFIGS_16BIT}
+    x = torch.randn(max(GPU_M), k, device="cuda", dtype=BF16)
+    w = (torch.randn(4096, k, device="cuda") / k**0.5).to(BF16)
+    _assert_row0_matches_alone(lambda rows: K.row_parallel_linear(rows, w), (x,))
+    for m in (1, 128, 1024):
+        outs = [row_tree(x[:m], w, k // 8, BF16, split=s) for s in (1, 2, 4, 8)]
+        assert all(torch.equal(o, outs[0]) for o in outs), f"the split changed the bits at M={m}"
+    graph, eager = torch.cuda.CUDAGraph(), K.row_parallel_linear(x[:128], w)
+    with torch.cuda.graph(graph):
+        captured = K.row_parallel_linear(x[:128], w)
+    for _ in range(3):  # every replay zeroes its tickets again (a memset node of the graph)
+        graph.replay()
+        assert torch.equal(captured, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes", [(4096, 1024, 1024), (12288, 12288), (2048, 1024, 1024)],
+                         ids=["qwen3_8b_qkv", "qwen3_8b_gate_up", "qwen3_1p7b_qkv"])
+def test_gpu_linear_rows_equals_one_linear_per_block(sizes):
+    """The fused q/k/v and gate/up launches (vLLM's and megatron's fused weights) give each block's
+    own linear bits at every M bucket: the bitwise contract with trainers that hold them apart."""
+    k = 4096 if sizes[0] != 2048 else 2048
+    w = (torch.randn(sum(sizes), k, device="cuda") / k**0.5).to(BF16)
+    x = torch.randn(max(GPU_M), k, device="cuda", dtype=BF16)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    for m in GPU_M:
+        fused = K.linear_rows(x[:m], w, sizes)
+        for out, a, n in zip(fused, starts, sizes):
+            assert torch.equal(out, K.linear(x[:m], w[a:a + n])), f"block at row {a} differs at M={m}"
 
 
 @pytest.mark.gpu

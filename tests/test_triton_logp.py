@@ -100,9 +100,10 @@ def test_logp_and_entropy_match_float64(dtype, temperature, with_bias):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chunks_of_several_tiles_match_float64(dtype):
-    # 32 chunks of 132 columns: two 128-column tiles (bf16), five 32-column tiles (fp32) per chunk
-    hidden, weight, targets = _inputs(5, 16, 4200, dtype, real=4190)
-    _assert_matches_naive(hidden, weight, targets, dtype, temperature=_temperature("per_row", 5), real=4190)
+    # 64 chunks of 132 columns: two 128-column tiles (bf16), five 32-column tiles (fp32) per chunk
+    assert logp_module.NUM_VOCAB_CHUNKS == 64, "resize this test's vocab with the chunk count"
+    hidden, weight, targets = _inputs(5, 16, 8400, dtype, real=8390)
+    _assert_matches_naive(hidden, weight, targets, dtype, temperature=_temperature("per_row", 5), real=8390)
 
 
 def _assert_row_invariant(fn, make_batch, row):
@@ -155,9 +156,10 @@ def _grads(hidden, weight, bias, targets, temperature, real, g_logp, g_entropy):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gradients_match_float64(dtype, monkeypatch):
-    # 32 chunks of 40 columns, the last one of 10: with fp32's 32-column tiles, the backward's
+    # 64 chunks of 40 columns, the last one of 10: with fp32's 32-column tiles, the backward's
     # trailing tile of the last chunk is empty
-    t, h, v, real = 11, 24, 1250, 1245
+    assert logp_module.chunk_width(2530) == 40 and 2530 - 63 * 40 == 10
+    t, h, v, real = 11, 24, 2530, 2525
     hidden, weight, targets = _inputs(t, h, v, dtype, real=real)
     hidden, weight = hidden.requires_grad_(), weight.requires_grad_()
     bias = (torch.randn(v) * 0.1).to(dtype).requires_grad_()

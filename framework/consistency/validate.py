@@ -25,9 +25,10 @@ from lockstep.framework.tracking.tracker import METRICS_FILE
 SEAL_FILE = "COMPLETE"
 # the op slots each R module must have called; "a|b": either (the attention core is the contiguous
 # op in the native engine and the trainers, the paged one in vLLM, the packed one in trainers that
-# pack sequences)
-MODULE_OPS = {"attention": ("linear", "row_linear", "rms_norm", "rope_cos_sin", "apply_rope", "attention|paged_attention|varlen_attention"),
-              "ffn": ("linear", "row_linear", "rms_norm", "silu_mul"), "logp": ("rms_norm", "linear_logp")}
+# pack sequences; the projections are linear_rows where an adapter holds the weights fused)
+MODULE_OPS = {"attention": ("linear|linear_rows", "row_linear", "rms_norm", "rope_cos_sin", "apply_rope",
+                            "attention|paged_attention|varlen_attention"),
+              "ffn": ("linear|linear_rows", "row_linear", "rms_norm", "silu_mul"), "logp": ("rms_norm", "linear_logp")}
 
 
 @dataclass

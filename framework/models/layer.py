@@ -33,6 +33,7 @@ class AttentionWeights(NamedTuple):
     q_norm: torch.Tensor  # [D]
     k_norm: torch.Tensor  # [D]
     o: torch.Tensor  # [hidden, H * D]
+    qkv: torch.Tensor | None = None  # q, k, v stacked, where the adapter holds them as one tensor
 
 
 class MLPWeights(NamedTuple):
@@ -40,6 +41,7 @@ class MLPWeights(NamedTuple):
     gate: torch.Tensor  # [intermediate, hidden]
     up: torch.Tensor  # [intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+    gate_up: torch.Tensor | None = None  # gate and up stacked, where the adapter holds them as one tensor
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -62,9 +64,13 @@ def attention_block(x: torch.Tensor, w: AttentionWeights, ops: AttentionOps, cos
     TP): the attention branch's output, before the residual add."""
     h = g.enter(ops.rms_norm(x, w.input_norm, g.eps))
     d = g.head_dim
-    q = ops.rms_norm(ops.linear(h, w.q).unflatten(-1, (-1, d)), w.q_norm, g.eps)
-    k = ops.rms_norm(ops.linear(h, w.k).unflatten(-1, (-1, d)), w.k_norm, g.eps)
-    v = ops.linear(h, w.v).unflatten(-1, (-1, d))
+    if w.qkv is not None:  # one launch; the same bits as three (kernels.linear_rows)
+        q, k, v = ops.linear_rows(h, w.qkv, (w.q.shape[0], w.k.shape[0], w.v.shape[0]))
+    else:
+        q, k, v = ops.linear(h, w.q), ops.linear(h, w.k), ops.linear(h, w.v)
+    q = ops.rms_norm(q.unflatten(-1, (-1, d)), w.q_norm, g.eps)
+    k = ops.rms_norm(k.unflatten(-1, (-1, d)), w.k_norm, g.eps)
+    v = v.unflatten(-1, (-1, d))
     q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
     return ops.row_linear(core(q, k, v).flatten(-2), w.o, g.tp_group)
 
@@ -72,7 +78,11 @@ def attention_block(x: torch.Tensor, w: AttentionWeights, ops: AttentionOps, cos
 def mlp_block(x: torch.Tensor, w: MLPWeights, ops: FFNOps, g: LayerGeometry) -> torch.Tensor:
     """Post-attention norm, gate/up, SwiGLU, down projection (reduced over TP)."""
     h = g.enter(ops.rms_norm(x, w.post_norm, g.eps))
-    return ops.row_linear(ops.silu_mul(ops.linear(h, w.gate), ops.linear(h, w.up)), w.down, g.tp_group)
+    if w.gate_up is not None:
+        gate, up = ops.linear_rows(h, w.gate_up, (w.gate.shape[0], w.up.shape[0]))
+    else:
+        gate, up = ops.linear(h, w.gate), ops.linear(h, w.up)
+    return ops.row_linear(ops.silu_mul(gate, up), w.down, g.tp_group)
 
 
 def decoder_layer(x: torch.Tensor, attn: AttentionWeights, mlp: MLPWeights, ops: ModelOps, cos: torch.Tensor,

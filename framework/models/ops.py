@@ -77,6 +77,7 @@ class Selection:
 @dataclass(frozen=True)
 class AttentionOps:
     linear: Callable  # column-parallel projections (q, k, v): (x, weight) -> x @ weight^T
+    linear_rows: Callable  # the same slot on a fused q/k/v weight: (x, weight, sizes) -> one output per row block
     row_linear: Callable  # the o projection: (x, weight shard, tp group | None) -> the reduced output
     rms_norm: Callable
     rope_cos_sin: Callable  # (positions, head_dim, theta) -> cos, sin [..., head_dim] fp32
@@ -89,6 +90,7 @@ class AttentionOps:
 @dataclass(frozen=True)
 class FFNOps:
     linear: Callable
+    linear_rows: Callable  # on a fused gate/up weight (the linear slot's, as in AttentionOps)
     row_linear: Callable
     rms_norm: Callable
     silu_mul: Callable
@@ -115,6 +117,11 @@ class ModelOps:
 # ---- the stock (P) implementations -------------------------------------------------------------
 def torch_rms_norm(x, weight, eps):
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def torch_linear_rows(x, weight, sizes):
+    """One cuBLAS GEMM over a fused weight, split (what vLLM's stock layers do)."""
+    return F.linear(x, weight).split(list(sizes), -1)
 
 
 def torch_silu_mul(gate, up):
@@ -276,12 +283,15 @@ def build_ops(selection: Selection, *, mode: str = "strict", provider: str = DEF
     counter, record = OpCounter(), RouteRecord()
     kernels_impl = f"{LOCKSTEP_IMPL}[{K.get_backend()}]"
 
-    def pick(module: str, op: str, lockstep_fn: Callable | None, torch_fn: Callable | None) -> Callable | None:
-        use_r = getattr(selection, module) and f"{module}.{op}" not in selection.stock
+    def pick(module: str, op: str, lockstep_fn: Callable | None, torch_fn: Callable | None,
+             slot: str | None = None) -> Callable | None:
+        """`slot`: the stock_ops slot that decides this op, when it is another op's (linear_rows: linear)."""
+        use_r = getattr(selection, module) and f"{module}.{slot or op}" not in selection.stock
         fn = lockstep_fn if use_r else torch_fn
         return None if fn is None else counter.wrap(f"{module}.{op}", kernels_impl if use_r else TORCH_IMPL, fn)
 
     attention = AttentionOps(pick("attention", "linear", K.linear, F.linear),
+                             pick("attention", "linear_rows", K.linear_rows, torch_linear_rows, slot="linear"),
                              pick("attention", "row_linear", K.row_parallel_linear, torch_row_linear),
                              pick("attention", "rms_norm", K.rms_norm, torch_rms_norm),
                              pick("attention", "rope_cos_sin", K.rope_cos_sin, torch_rope_cos_sin),
@@ -290,6 +300,7 @@ def build_ops(selection: Selection, *, mode: str = "strict", provider: str = DEF
                              pick("attention", "varlen_attention", K.varlen_attention, sdpa_varlen_attention),
                              pick("attention", "paged_attention", K.paged_attention, None))
     ffn = FFNOps(pick("ffn", "linear", K.linear, F.linear),
+                 pick("ffn", "linear_rows", K.linear_rows, torch_linear_rows, slot="linear"),
                  pick("ffn", "row_linear", K.row_parallel_linear, torch_row_linear),
                  pick("ffn", "rms_norm", K.rms_norm, torch_rms_norm),
                  pick("ffn", "silu_mul", K.silu_mul, torch_silu_mul))

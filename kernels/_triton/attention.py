@@ -14,8 +14,8 @@ Numerics (the bitwise contract):
   past p merge as exact no-ops (their state is empty), so a tile of many queries and a lone
   decode query compute the same bits for a row.
   The chunk level is what lets decode split one row's keys across programs: each program folds
-  one chunk, and a second kernel merges the chunk states in the order a prefill tile merges them
-  in registers.
+  one chunk, and the last of a row's chunk programs to finish (a ticket counter per sequence and kv
+  head) merges the chunk states in the order a prefill tile merges them in registers.
 
 Rows: a program handles the query heads that share one kv head as rows of its tile, in
 (query, head) order, so each K/V block is loaded once per group (GQA packing, decode included).
@@ -51,10 +51,9 @@ TUNING = {
     # forward over sequences with more than one query: FA2-style 128-row tiles (235 registers)
     "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=3),
     # single-query sequences: one program per (sequence, kv head, chunk); rows are the group's query
-    # heads, padded to MIN_ROWS (162 registers; memory-bound, so the padding costs no time)
+    # heads, padded to MIN_ROWS (162 registers; memory-bound, so the padding costs no time); the
+    # last chunk program of a (sequence, kv head) to finish merges the chunk states
     "decode": dict(MIN_ROWS=64, num_warps=4, num_stages=3),
-    # merges the chunk states of each (sequence, kv head) in chunk order
-    "decode_merge": dict(num_warps=4, num_stages=1),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles (204)
     "bwd_dkdv": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=8, num_stages=3),
     # one program per (sequence, kv head, BLOCK_Q rows), looping over BLOCK_KV-key blocks (183)
@@ -178,11 +177,13 @@ def _prefill_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stri
 
 
 @triton.jit
-def _decode_chunk_kernel(q, k, v, part_m, part_l, part_acc, q_begin, q_count, q_pos, page_table,
+def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q_begin, q_count, q_pos, page_table,
                          stride_table, page_size, stride_page, stride_head, stride_slot, n_heads, qk_scale,
                          n_chunks, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                          KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr):
-    """The state of one chunk of one single-query sequence, for all query heads of one kv head."""
+    """The state of one chunk of one single-query sequence, for all query heads of one kv head;
+    the last of the sequence's chunk programs to finish merges every chunk's state in chunk order,
+    as _prefill_kernel does in registers, and stores the rows (one launch per decode step)."""
     chunk, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if tl.load(q_count + seq) != 1:
         return
@@ -196,33 +197,25 @@ def _decode_chunk_kernel(q, k, v, part_m, part_l, part_acc, q_begin, q_count, q_
     m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k + kv_head * stride_head, v + kv_head * stride_head,
                              page_table + seq * stride_table, page_size, stride_page, stride_slot, qk_scale,
                              ROWS, D, KV_BLOCK, KV_CHUNK)
-    slot = ((seq * tl.num_programs(1) + kv_head) * n_chunks + chunk).to(tl.int64) * GROUP + rows
+    first = ((seq * tl.num_programs(1) + kv_head) * n_chunks).to(tl.int64) * GROUP + rows % GROUP
+    slot = first + chunk * GROUP
     keep = rows < GROUP
+    cols = tl.arange(0, D)[None, :]
     tl.store(part_m + slot, m, mask=keep)
     tl.store(part_l + slot, l, mask=keep)
-    tl.store(part_acc + slot[:, None] * D + tl.arange(0, D)[None, :], acc, mask=keep[:, None])
-
-
-@triton.jit
-def _decode_merge_kernel(part_m, part_l, part_acc, out, lse, q_begin, q_count, q_pos, n_heads, n_chunks,
-                         GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, KV_CHUNK: tl.constexpr):
-    """Merge the chunk states of one single-query sequence in chunk order, as _prefill_kernel does
-    (elementwise, so ROWS needs no padding beyond a power of two)."""
-    kv_head, seq = tl.program_id(0), tl.program_id(1)
-    if tl.load(q_count + seq) != 1:
-        return
-    rows = tl.arange(0, ROWS)
-    tok, head = _rows(rows, tl.load(q_begin + seq), 1, kv_head, GROUP)
-    hi = tl.max(tl.load(q_pos + tok), 0)
-    first = ((seq * tl.num_programs(0) + kv_head) * n_chunks).to(tl.int64) * GROUP + rows % GROUP
-    m = tl.full((ROWS,), float("-inf"), tl.float32)
-    l = tl.zeros((ROWS,), tl.float32)
-    acc = tl.zeros((ROWS, D), tl.float32)
-    for chunk in range(0, hi // KV_CHUNK + 1):
-        slot = first + chunk * GROUP
-        acc_c = tl.load(part_acc + slot[:, None] * D + tl.arange(0, D)[None, :])
-        m, l, acc = _merge(m, l, acc, tl.load(part_m + slot), tl.load(part_l + slot), acc_c)
-    _store_rows(out, lse, tok * n_heads + head, rows < GROUP, m, l, acc, D)
+    tl.store(part_acc + slot[:, None] * D + cols, acc, mask=keep[:, None])
+    tl.debug_barrier()  # every thread's stores precede the release
+    ticket = tl.atomic_add(tickets + seq * tl.num_programs(1) + kv_head, 1, sem="acq_rel", scope="gpu")
+    if ticket == hi // KV_CHUNK:  # the last of the hi // KV_CHUNK + 1 chunks that hold keys
+        m = tl.full((ROWS,), float("-inf"), tl.float32)
+        l = tl.zeros((ROWS,), tl.float32)
+        acc = tl.zeros((ROWS, D), tl.float32)
+        for c in range(0, hi // KV_CHUNK + 1):  # written by other programs: read from L2 (.cg)
+            at = first + c * GROUP
+            acc_c = tl.load(part_acc + at[:, None] * D + cols, cache_modifier=".cg")
+            m, l, acc = _merge(m, l, acc, tl.load(part_m + at, cache_modifier=".cg"),
+                               tl.load(part_l + at, cache_modifier=".cg"), acc_c)
+        _store_rows(out, lse, tok * n_heads + head, keep, m, l, acc, D)
 
 
 # ---- backward kernels (FA2 style; deterministic: every sum runs in a fixed loop, no atomics) ------
@@ -423,19 +416,16 @@ def decode_rows(group: int) -> int:
 def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: float) -> None:
     q = queries.q
     d, n_seqs = q.shape[2], queries.count.numel()
-    cfg, merge_cfg = TUNING["decode"], TUNING["decode_merge"]
+    cfg = TUNING["decode"]
     n_chunks = triton.cdiv(keys.max_count, KV_CHUNK)
     part_m = torch.empty((n_seqs, keys.n_heads, n_chunks, group), device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((*part_m.shape, d), device=q.device, dtype=torch.float32)
+    tickets = torch.zeros((n_seqs, keys.n_heads), device=q.device, dtype=torch.int32)  # a memset node in a graph
     _decode_chunk_kernel[(n_chunks, keys.n_heads, n_seqs)](
-        q, keys.k, keys.v, part_m, part_l, part_acc, queries.begin, queries.count, queries.pos, *_page_args(keys),
-        q.shape[1], qk_scale, n_chunks, GROUP=group, ROWS=decode_rows(group), D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _decode_merge_kernel[(keys.n_heads, n_seqs)](
-        part_m, part_l, part_acc, out, lse, queries.begin, queries.count, queries.pos, q.shape[1], n_chunks,
-        GROUP=group, ROWS=triton.next_power_of_2(group), D=d, KV_CHUNK=KV_CHUNK, num_warps=merge_cfg["num_warps"],
-        num_stages=merge_cfg["num_stages"])
+        q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, queries.begin, queries.count, queries.pos,
+        *_page_args(keys), q.shape[1], qk_scale, n_chunks, GROUP=group, ROWS=decode_rows(group), D=d,
+        KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):

@@ -58,6 +58,25 @@ CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 ]
 
 
+# The row-parallel GEMM (splitk.py): a program holding a subtree of 8 chunks keeps up to 4 fp32
+# tiles live (the accumulator and three finished subtrees), so tiles hold 4096 elements per
+# warpgroup (32 registers per tile per thread): no spills on sm_90 at any split (ptxas, Triton 3.6).
+# programs_per_sm is the program count the subtree split aims for at small M (programs = tiles x
+# split); like every field here it never changes the bits.
+ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
+    # decode: narrow tiles, one warpgroup (~150 registers: several programs per SM), and the
+    # subtree split multiplies the programs further (o_proj at M=1: 64 tiles x 8 subtrees)
+    (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=4, programs_per_sm=2)),
+    # two warpgroups per 64x128 tile (185-230 registers with the tree holders: one program per SM)
+    (256, GemmConfig(block_m=64, block_n=128, group_m=1, num_warps=8, num_stages=4, programs_per_sm=1)),
+    (1024, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=8, num_stages=4, programs_per_sm=1)),
+    (None, GemmConfig(block_m=128, block_n=64, group_m=8, num_warps=8, num_stages=4, programs_per_sm=1)),
+]
+ROW_CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
+    (None, GemmConfig(block_m=64, block_n=32, group_m=8, num_warps=4, num_stages=2, programs_per_sm=2)),
+]
+
+
 def block_k(dtype: torch.dtype) -> int:
     if dtype not in BLOCK_K:
         raise ValueError(f"lockstep GEMM supports {', '.join(map(str, BLOCK_K))}, got {dtype}")
@@ -66,7 +85,15 @@ def block_k(dtype: torch.dtype) -> int:
 
 def config_for(m: int, dtype: torch.dtype) -> GemmConfig:
     """The tile configuration of an [m, K] @ [K, N] product in `dtype`."""
-    table = CONFIGS_FP32 if dtype == torch.float32 else CONFIGS_16BIT
+    return _lookup(CONFIGS_FP32 if dtype == torch.float32 else CONFIGS_16BIT, m)
+
+
+def row_config_for(m: int, dtype: torch.dtype) -> GemmConfig:
+    """The tile configuration of the row-parallel GEMM (kernels/_triton/splitk.py)."""
+    return _lookup(ROW_CONFIGS_FP32 if dtype == torch.float32 else ROW_CONFIGS_16BIT, m)
+
+
+def _lookup(table: list[tuple[int | None, GemmConfig]], m: int) -> GemmConfig:
     for largest_m, config in table:
         if largest_m is None or m <= largest_m:
             return config

@@ -178,8 +178,8 @@ class LockstepTransformerLayer(TransformerLayer):
                                              a.num_query_groups_per_partition * d])
         gate, up = m.linear_fc1.weight.chunk(2)
         return (AttentionWeights(self.input_layernorm.weight, q, k, v, a.q_layernorm.weight, a.k_layernorm.weight,
-                                 a.linear_proj.weight),
-                MLPWeights(self.pre_mlp_layernorm.weight, gate, up, m.linear_fc2.weight))
+                                 a.linear_proj.weight, a.linear_qkv.weight),
+                MLPWeights(self.pre_mlp_layernorm.weight, gate, up, m.linear_fc2.weight, m.linear_fc1.weight))
 
 
 def lockstep_block_spec(ops: ModelOps, num_layers: int, rope_theta: float, shard: SequenceShard) -> TransformerBlockSubmodules:

@@ -25,6 +25,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
                                        AttentionType, CommonAttentionMetadata, MultipleOf)
 
 from lockstep.framework.rollout.vllm_plugin.evidence import process_ops
+from lockstep.kernels import write_paged_kv
 
 try:  # vLLM 0.32 (CPU CI); 0.26 has no KV-cache layout negotiation
     from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -92,19 +93,10 @@ class LockstepAttentionImpl(AttentionImpl[LockstepAttentionMetadata]):
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
         """key/value [T, Hkv, D] into their slots (slot = block * block_size + offset; -1 = a padding
-        row). An exact copy. Padding rows go to slot 0 of block 0 (vLLM's null block) and write back
-        what is there, so the update has no data-dependent shape and no host sync."""
+        row, skipped): an exact copy, lockstep.kernels.write_paged_kv (one launch on the GPU)."""
         if kv_cache.numel() == 0:  # a placeholder before the cache is bound
             return
-        k_cache, v_cache = split_kv_cache(kv_cache)
-        bs = k_cache.shape[2]
-        n = min(slot_mapping.shape[0], key.shape[0])
-        slots = slot_mapping[:n].long()
-        valid = (slots >= 0)[:, None, None]
-        safe = slots.clamp_min(0)
-        block, offset = safe // bs, safe % bs
-        k_cache[block, :, offset] = torch.where(valid, key[:n].to(k_cache.dtype), k_cache[block, :, offset])
-        v_cache[block, :, offset] = torch.where(valid, value[:n].to(v_cache.dtype), v_cache[block, :, offset])
+        write_paged_kv(key, value, *split_kv_cache(kv_cache), slot_mapping)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: LockstepAttentionMetadata | None, output: torch.Tensor,

@@ -57,15 +57,16 @@ class LockstepDecoderLayer(nn.Module):
 
     def weights(self) -> tuple[AttentionWeights, MLPWeights]:
         """Row views of the fused weights (slicing: Dynamo cannot trace the Python-level
-        Tensor.split/chunk on vLLM's parameter subclasses)."""
+        Tensor.split/chunk on vLLM's parameter subclasses), and the fused weights themselves, which
+        the layer multiplies in one launch each (the same bits: kernels.linear_rows)."""
         a, m = self.self_attn, self.mlp
         qkv, gate_up = a.qkv_proj.weight, m.gate_up_proj.weight
         q, k, v = qkv[:a.q_size], qkv[a.q_size:a.q_size + a.kv_size], qkv[a.q_size + a.kv_size:]
         half = gate_up.shape[0] // 2
         gate, up = gate_up[:half], gate_up[half:]
         return (AttentionWeights(self.input_layernorm.weight, q, k, v, a.q_norm.weight, a.k_norm.weight,
-                                 a.o_proj.weight),
-                MLPWeights(self.post_attention_layernorm.weight, gate, up, m.down_proj.weight))
+                                 a.o_proj.weight, qkv),
+                MLPWeights(self.post_attention_layernorm.weight, gate, up, m.down_proj.weight, gate_up))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
         """vLLM's decoder-layer call: returns (hidden_states, residual) with the residual stream

@@ -1,0 +1,52 @@
+"""Compiling Triton kernels for Hopper (sm_90a) on a machine without a GPU: what the MMA
+instructions are and how many registers ptxas gives a kernel. Runs in a subprocess without
+TRITON_INTERPRET (the interpreter compiles nothing); `probe` is what the tests call."""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+
+def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    """types(arg name) -> Triton signature type of every non-constexpr argument. Returns the MMA
+    (version, instruction shape) pairs of the TTGIR, ptxas' registers and spilled bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = [n for n in kernel.arg_names if n not in constexprs]
+    sig = {n: types(n) for n in names}
+    # what the launcher's specialisation tells the compiler: 16-byte aligned pointers and strides
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n.startswith("stride")}
+    compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    mma = sorted(set(re.findall(r"nvidia_mma<\{versionMajor = (\d).*?instrShape = (\[[\d, ]+\])",
+                                compiled.asm["ttgir"])))
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        out = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spills = re.search(r"(\d+) bytes spill stores", out)
+    return {"mma": mma, "regs": int(regs.group(1)), "spill_bytes": int(spills.group(1)) if spills else 0}
+
+
+def probe(code: str):
+    """Run `code` (which prints one JSON line last) in a fresh interpreter that compiles for sm_90."""
+    pytest.importorskip("triton")
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton build has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.splitlines()[-1])
