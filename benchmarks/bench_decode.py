@@ -2,13 +2,12 @@
 
     python benchmarks/bench_decode.py OUT.md [--batch 128] [--context 600]
 
-1. One Qwen3-8B decoder layer's ops at a decode step (batch B, every request at --context keys),
+One Qwen3-8B decoder layer's ops at a decode step (batch B, every request at --context keys),
    lockstep (Triton) next to the stock op a user would otherwise run (cuBLAS through F.linear, torch's
    default SDPA choice on a contiguous cache with enable_gqa, torch RMSNorm/SiLU), each timed
    with CUDA-graph replay (triton.testing.do_bench_cudagraph); the layer total x 36 layers plus
    the LM head's logprob estimates the step.
-2. `row_parallel_linear` (the canonical 8-chunk split-K, TP 1) vs cuBLAS on the o_proj (K=4096)
-   and down_proj (K=12288) shapes for M = 1..8192.
+(The row-parallel GEMM against cuBLAS at every M is a table of bench_matmul, in kernels.py.)
 """
 from __future__ import annotations
 
@@ -34,6 +33,7 @@ def decode_layer(b: int, ctx: int) -> list[tuple[str, float, float]]:
     x = r(b, H)
     wq, wk, wv, wo = r(NH * D, H), r(NKV * D, H), r(NKV * D, H), r(H, NH * D)
     wg, wu, wd = r(I, H), r(I, H), r(H, I)
+    wqkv, wgu = torch.cat([wq, wk, wv]), torch.cat([wg, wu])
     norm_w = torch.ones(H, device="cuda", dtype=torch.bfloat16)
     qn = torch.ones(D, device="cuda", dtype=torch.bfloat16)
     pos = torch.full((b,), ctx - 1, device="cuda")
@@ -46,6 +46,13 @@ def decode_layer(b: int, ctx: int) -> list[tuple[str, float, float]]:
     seq_lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
     qsl = torch.arange(b + 1, device="cuda", dtype=torch.int32)
     kc, vc = r(b, NKV, ctx, D), r(b, NKV, ctx, D)
+    kn, vn = r(b, NKV, D), r(b, NKV, D)  # this step's new keys/values, one slot per request
+    slots = (table[:, ctx // page].long() * page + ctx % page)
+    blk, off = slots // page, slots % page
+
+    def kv_index_put():  # what torch indexing does (vLLM's own CUDA op is not importable here)
+        k_cache[blk, :, off] = kn
+        v_cache[blk, :, off] = vn
     q = r(b, NH, D)
     h_logp = r(b, H)
     w_lm = r(V, H)
@@ -58,36 +65,25 @@ def decode_layer(b: int, ctx: int) -> list[tuple[str, float, float]]:
             return F.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True)
         ops = [
             ("input/post norm x2", lambda: K.rms_norm(x, norm_w, 1e-6), lambda: F.rms_norm(x, (H,), norm_w, 1e-6), 2),
-            ("q/k/v projections", lambda: (K.linear(x, wq), K.linear(x, wk), K.linear(x, wv)),
-             lambda: F.linear(x, torch.cat([wq, wk, wv])), 1),
+            ("q/k/v projections (one launch)", lambda: K.linear_rows(x, wqkv, (NH * D, NKV * D, NKV * D)),
+             lambda: F.linear(x, wqkv), 1),
             ("q/k norms", lambda: K.rms_norm(q, qn, 1e-6), lambda: F.rms_norm(q, (D,), qn, 1e-6), 2),
             ("rope cos/sin + q/k rotation", lambda: (K.rope_cos_sin(pos, D, 1e6), K.apply_rope(q[:, None], cos[:, None], sin[:, None])),
              lambda: q * cos[:, None] + q * sin[:, None], 2),
+            ("KV cache write", lambda: K.write_paged_kv(kn, vn, k_cache, v_cache, slots), kv_index_put, 1),
             ("attention (decode)", lambda: K.paged_attention(q, k_cache, v_cache, table, seq_lens, qsl, None, 1, ctx), sdpa, 1),
             ("o projection", lambda: K.row_parallel_linear(x, wo), lambda: F.linear(x, wo), 1),
-            ("gate/up projections", lambda: (K.linear(x, wg), K.linear(x, wu)), lambda: F.linear(x, torch.cat([wg, wu])), 1),
+            ("gate/up projections (one launch)", lambda: K.linear_rows(x, wgu, (I, I)), lambda: F.linear(x, wgu), 1),
             ("SwiGLU", lambda: K.silu_mul(gate, up), lambda: F.silu(gate) * up, 1),
             ("down projection", lambda: K.row_parallel_linear(act, wd), lambda: F.linear(act, wd), 1),
         ]
         for name, ours, theirs, times in ops:
             rows.append((name, times * bench(ours), times * bench(theirs)))
-        lm = ("LM head + logprob (once per step)", bench(lambda: K.linear_logp(h_logp, w_lm, targets)),
+        # strict vLLM: the sampling logits (lockstep linear) and the sampled token's logprob replayed
+        lm = ("LM head logits + logprob (once per step)",
+              bench(lambda: (K.linear(h_logp, w_lm), K.linear_logp(h_logp, w_lm, targets))),
               bench(lambda: torch.log_softmax(F.linear(h_logp, w_lm).float(), -1).gather(1, targets[:, None])))
     return rows, lm
-
-
-def row_parallel_table() -> list[str]:
-    lines = ["| shape | M | cuBLAS us | split-K us | ratio (cuBLAS / lockstep time) |", "|---|---|---|---|---|"]
-    g = torch.Generator(device="cuda").manual_seed(1)
-    with K.using_backend("triton"):
-        for name, k in (("o_proj K=4096", 4096), ("down K=12288", 12288)):
-            w = (torch.randn(H, k, device="cuda", generator=g) * 0.02).bfloat16()
-            for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192):
-                x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-                t_cublas = bench(lambda: F.linear(x, w))
-                t_ours = bench(lambda: K.row_parallel_linear(x, w))
-                lines.append(f"| {name} | {m} | {t_cublas:.1f} | {t_ours:.1f} | {t_cublas / t_ours:.3f} |")
-    return lines
 
 
 def main() -> None:
@@ -109,7 +105,6 @@ def main() -> None:
     step_ours, step_stock = tot_ours * LAYERS + lm[1], tot_stock * LAYERS + lm[2]
     lines.append(f"| **step estimate ({LAYERS} layers + head), ms** | {step_ours / 1e3:.2f} | {step_stock / 1e3:.2f} | "
                  f"{step_ours / step_stock:.2f} |")
-    lines += ["", "Row-parallel GEMM (TP 1: the fixed 8-way split-K) vs cuBLAS (bf16):", ""] + row_parallel_table()
     emit(lines, args.out)
 
 

@@ -137,15 +137,31 @@ class KernelOp:
         return self.implementation()(*args, **kwargs)
 
 
+_checks_skipped = 0  # depth of `skipping_value_checks` blocks
+
+
 def value_checks_enabled() -> bool:
     """Whether an op may check values that live on the device (a host sync): never inside a
-    torch.compile trace or a CUDA-graph capture, where a sync is an error or breaks the graph.
-    Shape checks always run; LOCKSTEP_VALUE_CHECKS=0 turns the value checks off everywhere."""
+    torch.compile trace or a CUDA-graph capture, where a sync is an error or breaks the graph, nor
+    inside `skipping_value_checks`. Shape checks always run; LOCKSTEP_VALUE_CHECKS=0 turns the
+    value checks off everywhere."""
     import torch
 
-    if os.environ.get("LOCKSTEP_VALUE_CHECKS", "1") == "0" or torch.compiler.is_compiling():
+    if _checks_skipped or os.environ.get("LOCKSTEP_VALUE_CHECKS", "1") == "0" or torch.compiler.is_compiling():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+@contextmanager
+def skipping_value_checks():
+    """A block whose inputs are known to be in range (a rollout engine's own sampled ids): its ops
+    skip the checks that would stop the host until the device catches up, once per decode step."""
+    global _checks_skipped
+    _checks_skipped += 1
+    try:
+        yield
+    finally:
+        _checks_skipped -= 1
 
 
 def kernel_calls() -> dict[str, int]:

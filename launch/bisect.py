@@ -25,8 +25,9 @@ import torch
 import yaml
 
 # one decoder layer's op calls in execution order (models/layer.py): (slot, what it computes)
-LAYER_OPS = (("attention.rms_norm", "input_layernorm"), ("attention.linear", "q_proj"), ("attention.rms_norm", "q_norm"),
-             ("attention.linear", "k_proj"), ("attention.rms_norm", "k_norm"), ("attention.linear", "v_proj"),
+# (the native model holds q/k/v and gate/up apart: an adapter with fused weights calls linear_rows)
+LAYER_OPS = (("attention.rms_norm", "input_layernorm"), ("attention.linear", "q_proj"), ("attention.linear", "k_proj"),
+             ("attention.linear", "v_proj"), ("attention.rms_norm", "q_norm"), ("attention.rms_norm", "k_norm"),
              ("attention.apply_rope", "rope(q)"), ("attention.apply_rope", "rope(k)"),
              ("attention.attention", "attention core"), ("attention.row_linear", "o_proj"),
              ("ffn.rms_norm", "post_attention_layernorm"), ("ffn.linear", "gate_proj"), ("ffn.linear", "up_proj"),

@@ -149,3 +149,23 @@ def test_unknown_mode_and_bad_spec():
 def test_abi_types_validate_on_construction(build, pattern):
     with pytest.raises(ValueError, match=pattern):
         build()
+
+
+def test_skipping_value_checks_drops_only_the_host_synchronising_checks():
+    """Inside K.skipping_value_checks (the vLLM sampler's replay of its own sampled ids) the value
+    checks that read device values are skipped; shape checks still run; outside, both fire."""
+    import lockstep.kernels as K
+
+    nan = mutate(logp=lambda t: t.clone().index_fill(0, torch.tensor([2]), float("nan")))
+    h, w = torch.randn(3, 8), torch.randn(24, 8)
+    with pytest.raises(ProviderError, match="non-finite"):
+        compute_linear_logp(request(), "strict", nan, native_request_logp)
+    with pytest.raises(ValueError, match="target ids must lie"):
+        K.linear_logp(h, w, torch.tensor([0, 30, 1]), real_vocab_size=24)
+    with K.skipping_value_checks():
+        assert not K.value_checks_enabled()
+        assert torch.isnan(compute_linear_logp(request(), "strict", nan, native_request_logp).logp[2])
+        K.linear_logp(h, w, torch.tensor([0, 23, 1]), real_vocab_size=24)
+        with pytest.raises(ProviderError, match="shape"):
+            compute_linear_logp(request(), "strict", mutate(logp=lambda t: t[:-1]), native_request_logp)
+    assert K.value_checks_enabled()

@@ -335,3 +335,24 @@ def test_linear_logp_is_captured_in_a_cuda_graph():
             graph.replay()
             eager = K.linear_logp(hidden, weight, targets, real_vocab_size=4000, temperature=0.7)
             assert torch.equal(out.logp, eager.logp)
+
+
+@pytest.mark.gpu
+def test_gpu_sampler_replay_never_synchronises_the_host():
+    """The vLLM sampler's replay (the provider route, per-row temperatures, the engine's own ids)
+    inside K.skipping_value_checks runs with torch's sync debugger set to raise on any host sync."""
+    from lockstep.framework.models.ops import ALL_R, build_ops
+
+    hidden, weight, targets = _qwen3_head(128)
+    temperature = torch.full((128,), 0.7, device="cuda")
+    ops = build_ops(ALL_R)
+    with K.using_backend("triton"):
+        ops.logp.linear_logp(hidden, weight, targets, temperature=temperature)  # compile first
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with K.skipping_value_checks():
+                out = ops.logp.linear_logp(hidden, weight, targets, temperature=temperature)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out.logp).all()

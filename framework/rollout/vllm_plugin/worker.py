@@ -11,6 +11,7 @@ from lockstep.framework.rollout.faults import faulty_logp
 from lockstep.framework.rollout.vllm_plugin import plugin_determinism
 from lockstep.framework.rollout.vllm_plugin.evidence import process_ops
 from lockstep.framework.weights.sync import Bucket, WeightReceiver, WeightSyncError
+from lockstep.kernels import skipping_value_checks
 
 
 class SupportWindowError(RuntimeError):
@@ -61,9 +62,13 @@ class LockstepSampler(Sampler):
             logp = faulty_logp(self.fault, model.lockstep_hidden, model.lockstep_lm_head_weight, sampled,
                                temperature=temperature, real_vocab_size=model.real_vocab_size, support_ids=support)
         else:
-            logp = model.token_logp(model.lockstep_hidden, sampled, temperature=temperature, support_ids=support).logp
+            # the targets are vLLM's own sampled ids: no range check, which would stop the host
+            # until the device catches up (and with it vLLM's overlap of scheduling and decoding)
+            with skipping_value_checks():
+                logp = model.token_logp(model.lockstep_hidden, sampled, temperature=temperature,
+                                        support_ids=support).logp
         holds = lt.logprob_token_ids.long() == sampled[:, None]
-        lt.logprobs[holds] = logp[:, None].expand_as(holds)[holds].to(lt.logprobs.dtype)
+        lt.logprobs.copy_(torch.where(holds, logp[:, None].to(lt.logprobs.dtype), lt.logprobs))  # no host sync
         return out
 
 
