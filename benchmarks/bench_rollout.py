@@ -133,6 +133,7 @@ def run_vllm(config: str, shape: dict, out: dict, profile_steps: int = 0, profil
         calls = llm.collective_rpc("lockstep_readback")[0]["kernel_calls"]
         out["note"] = f"paged_attention calls {calls['paged_attention']}, linear_logp calls {calls['linear_logp']}"
     if profile_steps:
+        out["note"] = (out.get("note", "") + " engine core in this process (profiled run)").strip()
         profile_generate(llm, ps, profile_steps, profile_path)
 
 

@@ -57,8 +57,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...]) -
     bounds = [0]
     for n in sizes:
         bounds.append(bounds[-1] + n)
-    if get_backend() == "triton":
-        out = linear(x, weight)
-        return tuple(out[..., a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+    if get_backend() == "triton":  # views of one output (split: the backward is one cat, not a sum of pads)
+        return linear(x, weight).split(list(sizes), -1)
     # slices, not Tensor.split: Dynamo cannot trace split on vLLM's parameter subclasses
     return tuple(linear(x, weight[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))

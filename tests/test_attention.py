@@ -286,7 +286,7 @@ common = dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK)
 cfg = A.TUNING["prefill"]
 prefill = compile_sm90(A._prefill_kernel, types, dict(BLOCK_Q=cfg["BLOCK_Q"], **common), cfg["num_warps"], cfg["num_stages"])
 cfg = A.TUNING["decode"]
-decode = compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=A.decode_rows(4), **common), cfg["num_warps"], cfg["num_stages"])
+decode = compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=A.decode_rows(4), MERGE_ROWS=4, **common), cfg["num_warps"], cfg["num_stages"])
 print(json.dumps([prefill, decode]))
 """
 
@@ -326,7 +326,8 @@ def test_write_paged_kv_copies_into_the_slots(device, hkv, d):
     kv = torch.full((blocks, hkv, page, 2 * d), float("nan"), device=device)
     k_cache, v_cache = kv[..., :d], kv[..., d:]
     slots = torch.tensor([5, -1, 7, 23, -1, 9], device=device)
-    key, value = (torch.randn(6, hkv, d, device=device) for _ in range(2))
+    key = torch.randn(6, hkv, d, device=device)
+    value = torch.randn(6, 3 * hkv, d, device=device)[:, hkv:2 * hkv]  # a row view (of a fused q/k/v output)
     K.write_paged_kv(key, value, k_cache, v_cache, slots[:5])  # the last row has no slot: not written
     expect = torch.full_like(kv, float("nan"))
     for row, slot in enumerate(slots[:5].tolist()):

@@ -300,6 +300,21 @@ def test_silu_mul_row_invariant(dtype):
                           ((torch.randn(40) * 4).to(dtype), torch.randn(40).to(dtype)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_reads_row_views_of_a_fused_output(dtype):
+    """gate/up as the two halves of one [rows, 2 * cols] GEMM output (linear_rows): read in place,
+    the same bits and gradients as on contiguous copies."""
+    fused = torch.randn(2, 5, 2 * 36).to(dtype).requires_grad_()
+    gate, up = fused.split(36, -1)
+    out = K.silu_mul(gate, up)
+    g = torch.randn_like(out)
+    (d_fused,) = torch.autograd.grad(out, fused, g)
+    gate_c, up_c = (t.detach().contiguous().requires_grad_() for t in (gate, up))
+    ref = K.silu_mul(gate_c, up_c)
+    assert out.is_contiguous() and torch.equal(out, ref)
+    assert torch.equal(d_fused, torch.cat(torch.autograd.grad(ref, (gate_c, up_c), g), -1))
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # numpy, interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_accuracy_and_grad(dtype):

@@ -5,6 +5,9 @@ up values only, by the same instructions wherever it sits (a misaligned pointer 
 many elements one load fetches, never the arithmetic on an element). Arithmetic is fp32, rounded once to the
 input dtype. sigmoid is `1 / (1 + exp(-g))`: for g < -88, exp(-g) overflows to inf and sigmoid is
 exactly 0, and the backward below never multiplies that inf by 0, so no NaN appears.
+
+gate and up may be row views of one fused [rows, 2 * cols] GEMM output (kernels.linear_rows):
+the kernels read them with their row strides instead of copying them; outputs are contiguous.
 """
 from __future__ import annotations
 
@@ -21,27 +24,30 @@ def _sigmoid(g):
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, cols, stride_g, stride_u, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < cols
+    g = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
     out = g * _sigmoid(g) * u
-    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * cols + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _silu_mul_backward_kernel(grad_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul_backward_kernel(grad_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr, cols, stride_g, stride_u,
+                              BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < cols
+    grad = tl.load(grad_ptr + row * cols + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
     sig = _sigmoid(g)
     d_gate = grad * u * sig * (1.0 + g * (1.0 - sig))
     d_up = grad * g * sig
-    tl.store(d_gate_ptr + offs, d_gate.to(d_gate_ptr.dtype.element_ty), mask=mask)
-    tl.store(d_up_ptr + offs, d_up.to(d_up_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_gate_ptr + row * cols + offs, d_gate.to(d_gate_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_up_ptr + row * cols + offs, d_up.to(d_up_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
@@ -52,17 +58,24 @@ def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
                          f"{gate.dtype} on {gate.device} and {up.dtype} on {up.device}")
 
 
-def _grid(n: int) -> tuple[int]:
-    return (triton.cdiv(n, _BLOCK),)
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as a [rows, cols] matrix with unit column stride: a view where its layout allows it (a
+    row slice of a wider matrix among them), else a contiguous copy."""
+    t2 = t.reshape(1, -1) if t.dim() < 2 else t.flatten(0, -2)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _grid(x: torch.Tensor) -> tuple[int, int]:
+    return (x.shape[0], triton.cdiv(x.shape[1], _BLOCK))
 
 
 @torch.library.custom_op("lockstep::silu_mul", mutates_args=())
 def silu_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     _check(gate, up)
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if gate.numel():
-        _silu_mul_kernel[_grid(gate.numel())](gate, up, out, gate.numel(), BLOCK=_BLOCK)
+        g, u = _rows(gate), _rows(up)
+        _silu_mul_kernel[_grid(g)](g, u, out, g.shape[1], g.stride(0), u.stride(0), BLOCK=_BLOCK)
     return out
 
 
@@ -76,10 +89,13 @@ def _silu_mul_fake(gate, up):
 def silu_mul_backward_op(grad: torch.Tensor, gate: torch.Tensor,
                          up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check(gate, up)
-    grad, gate, up = grad.contiguous(), gate.contiguous(), up.contiguous()
-    d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+    grad = grad.contiguous()
+    d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
     if gate.numel():
-        _silu_mul_backward_kernel[_grid(gate.numel())](grad, gate, up, d_gate, d_up, gate.numel(), BLOCK=_BLOCK)
+        g, u = _rows(gate), _rows(up)
+        _silu_mul_backward_kernel[_grid(g)](grad, g, u, d_gate, d_up, g.shape[1], g.stride(0), u.stride(0),
+                                            BLOCK=_BLOCK)
     return d_gate, d_up
 
 
@@ -102,4 +118,4 @@ silu_mul_op.register_autograd(_backward, setup_context=_setup)
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The Triton backend of lockstep.kernels.silu_mul."""
-    return silu_mul_op(gate.contiguous(), up.contiguous())
+    return silu_mul_op(gate, up)

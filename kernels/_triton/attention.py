@@ -39,7 +39,10 @@ import triton.language as tl
 # Numerics: part of the contract between trainer and rollout. Launchers read these at call time, so
 # tests may shrink them to exercise many blocks and chunks on short sequences.
 KV_BLOCK = 64  # keys per online-softmax block: the P@V and row-sum dots reduce over exactly this many
-KV_CHUNK = 1024  # keys per chunk (a multiple of KV_BLOCK): the unit decode splits on
+# keys per chunk (a multiple of KV_BLOCK): the unit decode splits on. 256: a lone request with 1k
+# keys gives 4 programs per kv head (1024 gave one, 0.28x torch's SDPA at batch 1); prefill and
+# training merge a chunk state every 4 blocks inside one pipelined loop, which costs them little.
+KV_CHUNK = 256
 
 # Tuning: changes no forward bit as long as every forward tile runs the same MMA instructions, whose
 # per-element sums then do not depend on the tile's row count. On sm_90 a tile of >= 64 rows runs
@@ -169,18 +172,33 @@ def _prefill_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stri
     m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_Q,), tl.float32)
     acc = tl.zeros((BLOCK_Q, D), tl.float32)
-    for chunk in range(0, hi // KV_CHUNK + 1):  # chunk order is the merge order of the contract
-        m_c, l_c, acc_c = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page,
-                                       stride_slot, qk_scale, BLOCK_Q, D, KV_BLOCK, KV_CHUNK)
-        m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c)
+    # _chunk_state's folds and the chunk merges in one software-pipelined loop over the blocks (a
+    # loop per chunk would restart the pipeline at every chunk): the chunk state folds blocks in
+    # increasing order from empty and merges into the running state at the chunk's last block
+    # (or the last block that holds keys), in chunk order: the same operations in the same order.
+    m_c = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+    l_c = tl.zeros((BLOCK_Q, _SUM_COLS), tl.float32)
+    acc_c = tl.zeros((BLOCK_Q, D), tl.float32)
+    last = hi // KV_BLOCK
+    for blk in range(0, last + 1):
+        key_pos = blk * KV_BLOCK + tl.arange(0, KV_BLOCK)
+        seen = key_pos <= hi
+        kb, vb = _load_kv(k, v, _kv_offsets(page_row, key_pos, page_size, stride_page, stride_slot, seen), seen, D)
+        m_c, l_c, acc_c = _fold_block(q_tile, kb, vb, key_pos, pos, m_c, l_c, acc_c, qk_scale, KV_BLOCK)
+        if ((blk + 1) % (KV_CHUNK // KV_BLOCK) == 0) | (blk == last):
+            # all _SUM_COLS columns of l_c hold the same value, so the max reads it exactly
+            m, l, acc = _merge(m, l, acc, m_c, tl.max(l_c, 1), acc_c)
+            m_c = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+            l_c = tl.zeros((BLOCK_Q, _SUM_COLS), tl.float32)
+            acc_c = tl.zeros((BLOCK_Q, D), tl.float32)
     _store_rows(out, lse, idx, rows < n_queries * GROUP, m, l, acc, D)
 
 
 @triton.jit
 def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q_begin, q_count, q_pos, page_table,
                          stride_table, page_size, stride_page, stride_head, stride_slot, n_heads, qk_scale,
-                         n_chunks, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                         KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr):
+                         n_chunks, GROUP: tl.constexpr, ROWS: tl.constexpr, MERGE_ROWS: tl.constexpr,
+                         D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr):
     """The state of one chunk of one single-query sequence, for all query heads of one kv head;
     the last of the sequence's chunk programs to finish merges every chunk's state in chunk order,
     as _prefill_kernel does in registers, and stores the rows (one launch per decode step)."""
@@ -207,15 +225,19 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     tl.debug_barrier()  # every thread's stores precede the release
     ticket = tl.atomic_add(tickets + seq * tl.num_programs(1) + kv_head, 1, sem="acq_rel", scope="gpu")
     if ticket == hi // KV_CHUNK:  # the last of the hi // KV_CHUNK + 1 chunks that hold keys
-        m = tl.full((ROWS,), float("-inf"), tl.float32)
-        l = tl.zeros((ROWS,), tl.float32)
-        acc = tl.zeros((ROWS, D), tl.float32)
+        # the merge is elementwise per row: only the group's real rows (a power of two >= GROUP)
+        g = tl.arange(0, MERGE_ROWS)
+        tok_g, head_g = _rows(g, tl.load(q_begin + seq), 1, kv_head, GROUP)
+        first_g = ((seq * tl.num_programs(1) + kv_head) * n_chunks).to(tl.int64) * GROUP + g % GROUP
+        m_t = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
+        l_t = tl.zeros((MERGE_ROWS,), tl.float32)
+        acc_t = tl.zeros((MERGE_ROWS, D), tl.float32)
         for c in range(0, hi // KV_CHUNK + 1):  # written by other programs: read from L2 (.cg)
-            at = first + c * GROUP
+            at = first_g + c * GROUP
             acc_c = tl.load(part_acc + at[:, None] * D + cols, cache_modifier=".cg")
-            m, l, acc = _merge(m, l, acc, tl.load(part_m + at, cache_modifier=".cg"),
-                               tl.load(part_l + at, cache_modifier=".cg"), acc_c)
-        _store_rows(out, lse, tok * n_heads + head, keep, m, l, acc, D)
+            m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, tl.load(part_m + at, cache_modifier=".cg"),
+                                     tl.load(part_l + at, cache_modifier=".cg"), acc_c)
+        _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D)
 
 
 # ---- backward kernels (FA2 style; deterministic: every sum runs in a fixed loop, no atomics) ------
@@ -424,7 +446,8 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     tickets = torch.zeros((n_seqs, keys.n_heads), device=q.device, dtype=torch.int32)  # a memset node in a graph
     _decode_chunk_kernel[(n_chunks, keys.n_heads, n_seqs)](
         q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, queries.begin, queries.count, queries.pos,
-        *_page_args(keys), q.shape[1], qk_scale, n_chunks, GROUP=group, ROWS=decode_rows(group), D=d,
+        *_page_args(keys), q.shape[1], qk_scale, n_chunks, GROUP=group, ROWS=decode_rows(group),
+        MERGE_ROWS=triton.next_power_of_2(group), D=d,
         KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
