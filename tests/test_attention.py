@@ -271,6 +271,10 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
         monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], **decode_tiles})
         assert torch.equal(K.varlen_attention(q, k, v, cu), ref)
         assert torch.equal(K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last), decode)
+    # decode programs per sequence: one walking all 3 chunks (0 asks for none: at least one), or one per chunk
+    for per_sm in (0, 64):
+        monkeypatch.setattr(triton_backend, "_DECODE_PROGRAMS_PER_SM", per_sm)
+        assert torch.equal(K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last), decode), per_sm
 
 
 _MMA_PROBE = r"""

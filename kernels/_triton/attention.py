@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lockstep.kernels._triton._device import resident_programs
+
 # ==== configuration ================================================================================
 # Numerics: part of the contract between trainer and rollout. Launchers read these at call time, so
 # tests may shrink them to exercise many blocks and chunks on short sequences.
@@ -64,6 +66,7 @@ TUNING = {
 }
 # ===================================================================================================
 
+_DECODE_PROGRAMS_PER_SM = 4  # decode grid: programs per SM it aims for (speed only)
 _LINEAR_PAGE = 1 << 30  # page size that makes a packed or padded K/V one page per sequence
 _SUM_COLS = tl.constexpr(16)  # width of the ones matrix that computes row sums (the tl.dot minimum)
 _LOG2E = 1.4426950408889634
@@ -199,32 +202,38 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          stride_table, page_size, stride_page, stride_head, stride_slot, n_heads, qk_scale,
                          n_chunks, GROUP: tl.constexpr, ROWS: tl.constexpr, MERGE_ROWS: tl.constexpr,
                          D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr):
-    """The state of one chunk of one single-query sequence, for all query heads of one kv head;
-    the last of the sequence's chunk programs to finish merges every chunk's state in chunk order,
-    as _prefill_kernel does in registers, and stores the rows (one launch per decode step)."""
-    chunk, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """The states of the chunks p, p + P, p + 2P, ... (P programs per sequence and kv head) of one
+    single-query sequence, for all query heads of one kv head; the last of the sequence's programs
+    to finish merges every chunk's state in chunk order, as _prefill_kernel does in registers, and
+    stores the rows (one launch per decode step). P follows the batch, never the cache length, so
+    a grid sized for the longest sequence (a CUDA graph's) costs no idle programs."""
+    p, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_programs = tl.num_programs(0)
     if tl.load(q_count + seq) != 1:
         return
     rows = tl.arange(0, ROWS)
     tok, head = _rows(rows, tl.load(q_begin + seq), 1, kv_head, GROUP)
     pos = tl.load(q_pos + tok)
     hi = tl.max(pos, 0)
-    if chunk * KV_CHUNK > hi:
+    n_need = hi // KV_CHUNK + 1  # the chunks that hold keys
+    if p >= n_need:
         return
     q_tile = tl.load(q + (tok * n_heads + head)[:, None] * D + tl.arange(0, D)[None, :])
-    m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k + kv_head * stride_head, v + kv_head * stride_head,
-                             page_table + seq * stride_table, page_size, stride_page, stride_slot, qk_scale,
-                             ROWS, D, KV_BLOCK, KV_CHUNK)
     first = ((seq * tl.num_programs(1) + kv_head) * n_chunks).to(tl.int64) * GROUP + rows % GROUP
-    slot = first + chunk * GROUP
     keep = rows < GROUP
     cols = tl.arange(0, D)[None, :]
-    tl.store(part_m + slot, m, mask=keep)
-    tl.store(part_l + slot, l, mask=keep)
-    tl.store(part_acc + slot[:, None] * D + cols, acc, mask=keep[:, None])
+    for chunk in range(p, n_need, n_programs):
+        m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k + kv_head * stride_head, v + kv_head * stride_head,
+                                 page_table + seq * stride_table, page_size, stride_page, stride_slot, qk_scale,
+                                 ROWS, D, KV_BLOCK, KV_CHUNK)
+        slot = first + chunk * GROUP
+        tl.store(part_m + slot, m, mask=keep)
+        tl.store(part_l + slot, l, mask=keep)
+        tl.store(part_acc + slot[:, None] * D + cols, acc, mask=keep[:, None])
+    mine = (n_need - 1 - p) // n_programs + 1
     tl.debug_barrier()  # every thread's stores precede the release
-    ticket = tl.atomic_add(tickets + seq * tl.num_programs(1) + kv_head, 1, sem="acq_rel", scope="gpu")
-    if ticket == hi // KV_CHUNK:  # the last of the hi // KV_CHUNK + 1 chunks that hold keys
+    ticket = tl.atomic_add(tickets + seq * tl.num_programs(1) + kv_head, mine, sem="acq_rel", scope="gpu")
+    if ticket + mine == n_need:  # this program stored the last of the chunk states
         # the merge is elementwise per row: only the group's real rows (a power of two >= GROUP)
         g = tl.arange(0, MERGE_ROWS)
         tok_g, head_g = _rows(g, tl.load(q_begin + seq), 1, kv_head, GROUP)
@@ -232,7 +241,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
         m_t = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
         l_t = tl.zeros((MERGE_ROWS,), tl.float32)
         acc_t = tl.zeros((MERGE_ROWS, D), tl.float32)
-        for c in range(0, hi // KV_CHUNK + 1):  # written by other programs: read from L2 (.cg)
+        for c in range(0, n_need):  # written by other programs: read from L2 (.cg)
             at = first_g + c * GROUP
             acc_c = tl.load(part_acc + at[:, None] * D + cols, cache_modifier=".cg")
             m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, tl.load(part_m + at, cache_modifier=".cg"),
@@ -444,7 +453,10 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((*part_m.shape, d), device=q.device, dtype=torch.float32)
     tickets = torch.zeros((n_seqs, keys.n_heads), device=q.device, dtype=torch.int32)  # a memset node in a graph
-    _decode_chunk_kernel[(n_chunks, keys.n_heads, n_seqs)](
+    # programs per (sequence, kv head): enough to give every SM a few at small batch, at most one per chunk
+    per_seq = max(1, min(n_chunks, triton.cdiv(_DECODE_PROGRAMS_PER_SM * resident_programs(q.device),
+                                               n_seqs * keys.n_heads)))
+    _decode_chunk_kernel[(per_seq, keys.n_heads, n_seqs)](
         q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, queries.begin, queries.count, queries.pos,
         *_page_args(keys), q.shape[1], qk_scale, n_chunks, GROUP=group, ROWS=decode_rows(group),
         MERGE_ROWS=triton.next_power_of_2(group), D=d,
