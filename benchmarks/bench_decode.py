@@ -79,9 +79,13 @@ def decode_layer(b: int, ctx: int) -> list[tuple[str, float, float]]:
         ]
         for name, ours, theirs, times in ops:
             rows.append((name, times * bench(ours), times * bench(theirs)))
-        # strict vLLM: the sampling logits (lockstep linear) and the sampled token's logprob replayed
-        lm = ("LM head logits + logprob (once per step)",
-              bench(lambda: (K.linear(h_logp, w_lm), K.linear_logp(h_logp, w_lm, targets))),
+        # strict vLLM: the sampling logits, the copy vLLM's sampler gets, and the sampled token's
+        # logprob folded from the same logits (no second pass over the LM head)
+        def lockstep_head():
+            z = K.lm_head_logits(h_logp, w_lm)
+            return z.clone(), K.linear_logp(h_logp, w_lm, targets, logits=z)
+
+        lm = ("LM head logits + logprob (once per step)", bench(lockstep_head),
               bench(lambda: torch.log_softmax(F.linear(h_logp, w_lm).float(), -1).gather(1, targets[:, None])))
     return rows, lm
 

@@ -8,7 +8,7 @@ from lockstep.kernels._backend import (BACKENDS, get_backend, kernel_calls, set_
                                        using_backend, value_checks_enabled)
 from lockstep.kernels.activation import silu_mul
 from lockstep.kernels.attention import KV_BLOCK, causal_attention, paged_attention, varlen_attention, write_paged_kv
-from lockstep.kernels.logp import NUM_VOCAB_CHUNKS, LinearLogpOutput, chunk_width, linear_logp
+from lockstep.kernels.logp import NUM_VOCAB_CHUNKS, LinearLogpOutput, chunk_width, linear_logp, lm_head_logits
 from lockstep.kernels.matmul import linear, linear_rows, matmul
 from lockstep.kernels.norm import rms_norm
 from lockstep.kernels.rope import apply_rope, rope_cos_sin
@@ -20,6 +20,6 @@ __all__ = [
     "row_parallel_linear", "NUM_K_CHUNKS",
     "silu_mul", "rope_cos_sin", "apply_rope", "causal_attention", "varlen_attention", "paged_attention",
     "write_paged_kv",
-    "KV_BLOCK", "linear_logp",
+    "KV_BLOCK", "linear_logp", "lm_head_logits",
     "LinearLogpOutput", "NUM_VOCAB_CHUNKS", "chunk_width",
 ]

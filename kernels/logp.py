@@ -77,16 +77,31 @@ def _state(z: torch.Tensor, with_entropy: bool):
     return m, s, w
 
 
+def _chunk_products(hidden, weight, lo, hi):
+    """The reference's products of one chunk: one fixed-shape GEMM per row tile, in hidden's dtype."""
+    return tiled_mm(hidden, weight[lo:hi].t())
+
+
+def torch_head_logits(hidden, weight, *, width) -> torch.Tensor:
+    """[T, V_local] fp32: the products the chunk states are built from (before bias, temperature
+    and the padding mask), chunk by chunk as torch_chunk_states makes them."""
+    return torch.cat([_chunk_products(hidden, weight, lo, min(lo + width, weight.shape[0])).float()
+                      for lo in range(0, weight.shape[0], width)], -1)
+
+
 def torch_chunk_states(hidden, weight, targets, *, vocab_start, width, real_vocab_size, bias, temperature,
-                       with_entropy) -> ChunkStates:
-    """The torch reference: one fixed-shape GEMM per chunk, a tree sum across its columns."""
+                       with_entropy, logits=None) -> ChunkStates:
+    """The torch reference: one fixed-shape GEMM per chunk (or its products from `logits`, as
+    torch_head_logits gave them: exact in hidden's dtype), a tree sum across its columns."""
     ms, ss, ws = [], [], []
     target_z = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     local = targets - vocab_start
     here = (local >= 0) & (local < weight.shape[0])
+    if logits is not None and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        logits = None  # the same products, multiplied again so that autograd sees them
     for lo in range(0, weight.shape[0], width):
         hi = min(lo + width, weight.shape[0])
-        z = tiled_mm(hidden, weight[lo:hi].t())
+        z = _chunk_products(hidden, weight, lo, hi) if logits is None else logits[:, lo:hi].to(hidden.dtype)
         if bias is not None:
             z = z + bias[lo:hi]
         z = _scale(z.float(), temperature)
@@ -102,6 +117,18 @@ def torch_chunk_states(hidden, weight, targets, *, vocab_start, width, real_voca
 
 
 chunk_states = KernelOp("linear_logp_chunk_states", torch_chunk_states, "logp:chunk_states")
+_head_logits = KernelOp("lm_head_logits", torch_head_logits, "logp:head_logits")
+
+
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, *, full_vocab_size: int | None = None) -> torch.Tensor:
+    """[T, V_local] fp32 logits hidden @ weight^T, computed exactly as linear_logp computes its
+    logits (before bias, temperature and padding): an engine samples from them, then passes them
+    back as linear_logp(..., logits=) to get the sampled token's logprob without a second pass
+    over the LM head, bit for bit what linear_logp(hidden, weight, ...) gives."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"lm_head_logits: hidden [T,H] and weight [V,H] expected, got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
+    return _head_logits(hidden, weight, width=chunk_width(full_vocab_size or weight.shape[0]))
 
 
 def merge_tree(m: torch.Tensor, s: torch.Tensor, w: torch.Tensor | None):
@@ -176,27 +203,34 @@ def _validate(hidden, weight, targets, real_vocab_size, full_vocab, vocab_start,
 def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                 bias: torch.Tensor | None = None, temperature=None, real_vocab_size: int | None = None,
                 with_entropy: bool = False, support_ids: torch.Tensor | None = None,
-                vocab_start: int = 0, full_vocab_size: int | None = None, group=None) -> LinearLogpOutput:
+                vocab_start: int = 0, full_vocab_size: int | None = None, group=None,
+                logits: torch.Tensor | None = None) -> LinearLogpOutput:
     """log softmax(hidden @ weight^T + bias)[targets].
 
     hidden [T, H]; weight [V_local, H] holding global vocab rows [vocab_start, vocab_start + V_local)
     of a vocab of full_vocab_size (default: unsharded); targets [T] global ids; temperature float |
-    [T] | None; group: the process group the vocab is sharded over (rank order = shard order).
+    [T] | None; group: the process group the vocab is sharded over (rank order = shard order);
+    logits: lm_head_logits(hidden, weight) when the caller has them (the same bits, one pass over
+    the LM head fewer; gradients still flow to hidden and weight). Unused with support_ids.
     """
     full_vocab = full_vocab_size or weight.shape[0]
     real = real_vocab_size or full_vocab
     _validate(hidden, weight, targets, real, full_vocab, vocab_start, support_ids)
+    if logits is not None and (logits.shape != (hidden.shape[0], weight.shape[0]) or logits.dtype != torch.float32):
+        raise ValueError(f"linear_logp: logits must be lm_head_logits' [{hidden.shape[0]}, {weight.shape[0]}] fp32, "
+                         f"got {tuple(logits.shape)} {logits.dtype}")
     return _linear_logp(hidden, weight, targets, bias, temperature, real, full_vocab, with_entropy, support_ids,
-                        vocab_start, group)
+                        vocab_start, group, logits)
 
 
 def _forward(hidden, weight, targets, bias, temperature, real, full_vocab, with_entropy, support_ids, vocab_start,
-             group) -> LinearLogpOutput:
+             group, logits=None) -> LinearLogpOutput:
     if support_ids is not None:
         return _support_logp(hidden, weight, targets, bias, temperature, with_entropy, support_ids,
                              vocab_start, group)
     st = chunk_states(hidden, weight, targets, vocab_start=vocab_start, width=chunk_width(full_vocab),
-                      real_vocab_size=real, bias=bias, temperature=temperature, with_entropy=with_entropy)
+                      real_vocab_size=real, bias=bias, temperature=temperature, with_entropy=with_entropy,
+                      logits=logits)
     m, s, w, target_z = st.m, st.s, st.w, st.target_z
     if group is not None:
         m, s = torch.cat(_gather(m, group), -1), torch.cat(_gather(s, group), -1)

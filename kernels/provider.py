@@ -19,6 +19,6 @@ def linear_logp_provider(request):
                       temperature=request.temperature, real_vocab_size=ctx.vocab.real_size,
                       with_entropy=request.with_entropy, support_ids=request.support_ids,
                       vocab_start=ctx.vocab.local_start, full_vocab_size=ctx.vocab.padded_size,
-                      group=getattr(request, "tp_group", None))
+                      group=getattr(request, "tp_group", None), logits=getattr(ctx, "logits", None))
     return SimpleNamespace(logp=out.logp, entropy=out.entropy, backend_id=f"lockstep.kernels/{get_backend()}",
                            contract_id=CONTRACT_ID, provenance={"vocab_chunks": NUM_VOCAB_CHUNKS})

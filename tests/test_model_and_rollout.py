@@ -97,3 +97,30 @@ def test_greedy_is_deterministic_and_scores_raw_logits():
     b = _generate(engine, PROMPTS, sp, [[4], [5], [6]])
     assert torch.equal(a.tokens, b.tokens) and a.support_ids is None
     assert torch.equal(actor.compute_logp(a).logp, a.logp)
+
+
+def test_the_engine_passes_its_sampling_logits_back_to_the_logprob(monkeypatch):
+    """Strict: each decode step's logprob folds the logits the step sampled from (one LM-head pass),
+    and gives the bits of the logprob computed from the hidden states alone; with the logits slot
+    stock, nothing is passed back (F.linear's logits are not lockstep's products)."""
+    from lockstep.kernels import logp as logp_module
+
+    seen, original = [], logp_module.chunk_states.reference
+
+    def recording(hidden, weight, targets, *, logits=None, **kw):
+        out = original(hidden, weight, targets, logits=logits, **kw)
+        if logits is not None:
+            again = original(hidden, weight, targets, **kw)
+            assert torch.equal(out.m, again.m) and torch.equal(out.s, again.s) and torch.equal(out.target_z, again.target_z)
+        seen.append(logits is not None)
+        return out
+
+    monkeypatch.setattr(logp_module.chunk_states, "reference", recording)
+    actor, engine = make_actor(), make_engine("strict")
+    sync(actor, engine)
+    seen.clear()
+    engine.generate([[1, 3, 4], [1, 5]], SamplingParams(temperature=0.9, max_new_tokens=5), [[0], [1]])
+    assert seen and all(seen), seen
+    assert engine.model.ops.logp.reuse_logits
+    stock = build_ops(ALL_R.__class__(True, True, True, frozenset({"logp.linear"})))
+    assert not stock.logp.reuse_logits

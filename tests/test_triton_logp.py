@@ -106,6 +106,44 @@ def test_chunks_of_several_tiles_match_float64(dtype):
     _assert_matches_naive(hidden, weight, targets, dtype, temperature=_temperature("per_row", 5), real=8390)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logits_passed_back_give_the_same_bits(dtype, backend):
+    """An engine samples from lm_head_logits and passes them back: linear_logp then folds them
+    instead of multiplying again, with the bits (and gradients) of the call without them, on a
+    whole vocab and on a shard, with bias, per-row temperatures and entropy."""
+    hidden, weight, targets = _inputs(13, 48, 300, dtype, real=290)
+    bias = (torch.randn(300) * 0.5).to(dtype)
+    temperature = _temperature("per_row", 13)
+    with K.using_backend(backend):
+        z = K.lm_head_logits(hidden, weight)
+        assert z.dtype == torch.float32 and z.shape == (13, 300)
+        kw = dict(bias=bias, temperature=temperature, real_vocab_size=290, with_entropy=True)
+        plain, reused = K.linear_logp(hidden, weight, targets, **kw), K.linear_logp(hidden, weight, targets, logits=z, **kw)
+        assert torch.equal(plain.logp, reused.logp) and torch.equal(plain.entropy, reused.entropy)
+        # a shard (chunks 10..29 of the same head): the same chunk states
+        width = logp_module.chunk_width(300)
+        lo, hi = 10 * width, 30 * width
+        zs = K.lm_head_logits(hidden, weight[lo:hi], full_vocab_size=300)
+        assert zs.shape == (13, hi - lo)
+        st = [logp_module.chunk_states(hidden, weight[lo:hi], targets, vocab_start=lo, width=width, real_vocab_size=290,
+                                       bias=None, temperature=temperature, with_entropy=False, logits=x) for x in (None, zs)]
+        assert torch.equal(st[0].m, st[1].m) and torch.equal(st[0].s, st[1].s)
+        assert torch.equal(st[0].target_z, st[1].target_z)
+        # gradients flow to hidden and weight as without the logits
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        g_plain = torch.autograd.grad(K.linear_logp(h, w, targets, **kw).logp.sum(), (h, w))
+        g_reused = torch.autograd.grad(K.linear_logp(h, w, targets, logits=K.lm_head_logits(h.detach(), w.detach()),
+                                                     **kw).logp.sum(), (h, w))
+        assert all(torch.equal(a, b) for a, b in zip(g_plain, g_reused))
+        with pytest.raises(ValueError, match="logits must be"):
+            K.linear_logp(hidden, weight, targets, logits=z[:, :10])
+    # the products differ from a perturbed head's: the fold does read them
+    with K.using_backend(backend):
+        other = K.linear_logp(hidden, weight, targets, logits=z * 1.5, real_vocab_size=290)
+        assert not torch.equal(other.logp, K.linear_logp(hidden, weight, targets, real_vocab_size=290).logp)
+
+
 def _assert_row_invariant(fn, make_batch, row):
     """fn(*batch)[pos], with `row` (a tuple of per-row tensors) written at `pos` of a batch of
     random neighbours from make_batch(m), equals fn on the row alone, bit for bit."""
@@ -206,7 +244,11 @@ def test_empty_batch():
 def test_custom_op_passes_opcheck():
     hidden, weight, targets = _inputs(3, 16, 16, torch.float32)
     args = (hidden.requires_grad_(), weight.requires_grad_(), targets, None, torch.full((3,), 0.9), 0, 1, 15, True)
-    torch.library.opcheck(_triton_logp_module()._chunk_states_op, args)
+    module = _triton_logp_module()
+    torch.library.opcheck(module._chunk_states_op, (*args, None))
+    logits = module.head_logits_op(hidden.detach(), weight.detach(), 1)
+    torch.library.opcheck(module._chunk_states_op, (*args, logits))
+    torch.library.opcheck(module.head_logits_op, (hidden.detach(), weight.detach(), 1))
 
 
 # ---------------------------------------------------------------- vocab-sharded (gloo)

@@ -99,8 +99,11 @@ class FFNOps:
 @dataclass(frozen=True)
 class LogpOps:
     rms_norm: Callable
-    linear: Callable  # sampling logits
+    linear: Callable  # sampling logits (R: lockstep.kernels.lm_head_logits, fp32)
     linear_logp: Callable  # lockstep.kernels.linear_logp signature -> object with .logp, .entropy
+    # the sampling logits are lockstep's and the logprob is the provider route: an engine may pass
+    # the logits it sampled from back as linear_logp(..., logits=) (one LM-head pass per step)
+    reuse_logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,9 +186,10 @@ def torch_row_linear(x, weight, group=None):
 
 
 def naive_linear_logp(hidden, weight, targets, *, bias=None, temperature=None, real_vocab_size=None,
-                      with_entropy=False, support_ids=None, vocab_start=0, full_vocab_size=None, group=None):
+                      with_entropy=False, support_ids=None, vocab_start=0, full_vocab_size=None, group=None,
+                      logits=None):
     """The usual path: materialise [T, V] logits, log_softmax, gather (a vocab shard first gathers
-    the full logits over its group)."""
+    the full logits over its group). `logits` (lockstep's sampling logits) is not used: it multiplies."""
     logits = F.linear(hidden, weight, bias).float()
     if group is not None:
         import torch.distributed.nn.functional as dist_fn
@@ -258,10 +262,10 @@ class ProviderLogp:
 
     def __call__(self, hidden, weight, targets, *, bias=None, temperature=None, real_vocab_size=None,
                  with_entropy=False, support_ids=None, vocab_start=0, full_vocab_size=None,
-                 group=None) -> LinearLogpResult:
+                 group=None, logits=None) -> LinearLogpResult:
         full = full_vocab_size or weight.shape[0]
         vocab = VocabPartition(vocab_start, weight.shape[0], real_vocab_size or full, full)
-        request = LinearLogpRequest(LinearLogpContext(hidden, LinearProjection(weight, bias), vocab), targets,
+        request = LinearLogpRequest(LinearLogpContext(hidden, LinearProjection(weight, bias), vocab, logits), targets,
                                     temperature, with_entropy, support_ids, tp_group=group)
         return compute_linear_logp(request, self.mode, self.provider, native_request_logp,
                                    import_error=self.import_error, record=self.record)
@@ -308,8 +312,10 @@ def build_ops(selection: Selection, *, mode: str = "strict", provider: str = DEF
         logp_fn = counter.wrap("logp.linear_logp", f"provider:{provider}", ProviderLogp(mode, provider, record))
     else:
         logp_fn = counter.wrap("logp.linear_logp", TORCH_IMPL, naive_linear_logp)
+    lockstep_logits = selection.logp and "logp.linear" not in selection.stock
     logp = LogpOps(pick("logp", "rms_norm", K.rms_norm, torch_rms_norm),
-                   pick("logp", "linear", K.linear, F.linear), logp_fn)
+                   pick("logp", "linear", K.lm_head_logits, F.linear), logp_fn,
+                   reuse_logits=lockstep_logits)
     return ModelOps(attention, ffn, logp, selection, mode, counter, record)
 
 

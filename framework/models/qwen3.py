@@ -313,9 +313,11 @@ class Qwen3ForCausalLM(nn.Module):
         return self.ops.logp.linear(hidden, self.lm_head_weight).float()
 
     def token_logp(self, hidden: torch.Tensor, targets: torch.Tensor, *, temperature=None,
-                   real_vocab_size=None, with_entropy=False, support_ids=None):
+                   real_vocab_size=None, with_entropy=False, support_ids=None, logits=None):
         """Log-probability of `targets` given final hidden states [T, H] (the bitwise boundary).
-        Returns an object with .logp [T] and .entropy [T] | None."""
+        Returns an object with .logp [T] and .entropy [T] | None. `logits`: what `logits(hidden)`
+        gave, passed back where the ops allow it (the same bits, one LM-head pass fewer)."""
         return self.ops.logp.linear_logp(hidden, self.lm_head_weight, targets, temperature=temperature,
                                     real_vocab_size=real_vocab_size, with_entropy=with_entropy,
-                                    support_ids=support_ids)
+                                    support_ids=support_ids,
+                                    logits=logits if self.ops.logp.reuse_logits else None)

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from lockstep.kernels import value_checks_enabled
+
 LAYOUTS = ("single", "zigzag", "allgather")
 
 
@@ -69,6 +71,10 @@ class LinearLogpContext:
     hidden: torch.Tensor  # [T, H]
     projection: LinearProjection
     vocab: VocabPartition
+    # [T, V_local] fp32 products hidden @ weight^T as lockstep.kernels.lm_head_logits gave them (the
+    # engine sampled from them), or None. A provider may fold them instead of multiplying again; its
+    # result must not change either way (lockstep's does so bit for bit; others may ignore them).
+    logits: torch.Tensor | None = None
 
     def __post_init__(self):
         w = self.projection.weight
@@ -77,6 +83,11 @@ class LinearLogpContext:
         _need(self.hidden.dtype == w.dtype, f"LinearLogpContext: hidden {self.hidden.dtype} != weight {w.dtype}")
         _need(self.hidden.device == w.device, f"LinearLogpContext: hidden on {self.hidden.device}, weight on {w.device}")
         _need(w.shape[0] == self.vocab.local_size, f"LinearLogpContext: weight rows {w.shape[0]} != vocab.local_size {self.vocab.local_size}")
+        if self.logits is not None:
+            _need(self.logits.shape == (self.hidden.shape[0], w.shape[0]) and self.logits.dtype == torch.float32
+                  and self.logits.device == w.device,
+                  f"LinearLogpContext: logits must be [T, V_local] = [{self.hidden.shape[0]}, {w.shape[0]}] fp32 on "
+                  f"{w.device}, got {tuple(self.logits.shape)} {self.logits.dtype} on {self.logits.device}")
 
 
 @dataclass(frozen=True)
@@ -95,12 +106,13 @@ class LinearLogpRequest:
         _need(t.dim() == 1 and t.shape[0] == h.shape[0], f"LinearLogpRequest: target_ids must be [T={h.shape[0]}], got {tuple(t.shape)}")
         _need(not t.is_floating_point(), f"LinearLogpRequest: target_ids must be integer, got {t.dtype}")
         _need(t.device == h.device, f"LinearLogpRequest: target_ids on {t.device}, hidden on {h.device}")
-        if t.numel():
+        checks = value_checks_enabled()  # the checks on device values stop the host until the device catches up
+        if t.numel() and checks:
             _need(int(t.min()) >= 0 and int(t.max()) < self.context.vocab.real_size,
                   f"LinearLogpRequest: target ids outside [0, {self.context.vocab.real_size})")
         if isinstance(self.temperature, torch.Tensor):
             _need(self.temperature.shape == t.shape, f"LinearLogpRequest: temperature tensor must be [T], got {tuple(self.temperature.shape)}")
-            _need(bool((self.temperature > 0).all()), "LinearLogpRequest: temperatures must be > 0")
+            _need(not checks or bool((self.temperature > 0).all()), "LinearLogpRequest: temperatures must be > 0")
         elif self.temperature is not None:
             _need(self.temperature > 0, f"LinearLogpRequest: temperature must be > 0, got {self.temperature}")
         if self.support_ids is not None:

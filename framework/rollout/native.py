@@ -156,9 +156,9 @@ class NativeRolloutEngine(RolloutEngine):
         step_logp, step_support, step_alive = [], [], []
         for r in range(sampling.max_new_tokens):
             logits = self.model.logits(last)
-            logits[:, self.real_vocab_size:] = float("-inf")
+            logits[:, self.real_vocab_size:] = float("-inf")  # the logprob masks the same columns itself
             nxt, support = pick(logits, r)
-            step_logp.append(self._token_logp(last, nxt, sampling, support))
+            step_logp.append(self._token_logp(last, nxt, sampling, support, logits))
             step_support.append(support)
             step_alive.append(alive.clone())
             tokens[alive, pos[alive]] = nxt[alive]
@@ -172,13 +172,13 @@ class NativeRolloutEngine(RolloutEngine):
             alive = still
         return self._assemble(tokens, prompt_lens, step_logp, step_support, step_alive, sampling)
 
-    def _token_logp(self, hidden, targets, sampling: SamplingParams, support):
+    def _token_logp(self, hidden, targets, sampling: SamplingParams, support, logits):
         if self.inject_fault != "none":
             return faulty_logp(self.inject_fault, hidden, self.model.lm_head_weight, targets,
                                temperature=sampling.logp_temperature, real_vocab_size=self.real_vocab_size,
                                support_ids=support)
         return self.model.token_logp(hidden, targets, temperature=sampling.logp_temperature,
-                                     real_vocab_size=self.real_vocab_size, support_ids=support).logp
+                                     real_vocab_size=self.real_vocab_size, support_ids=support, logits=logits).logp
 
     def _assemble(self, tokens, prompt_lens, step_logp, step_support, step_alive, sampling) -> Rollout:
         # Everything leaves the engine on the host (it crosses processes through Ray).

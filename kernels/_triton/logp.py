@@ -113,15 +113,21 @@ def _dot_tile(h_desc, w_desc, row0, col0, H, BLOCK_T: tl.constexpr, BLOCK_V: tl.
 
 
 @triton.jit
-def _logits(h_desc, w_desc, b_ptr, inv_temp, row0, col0, hi, V_local, H, vocab_start, real_vocab_size,
-            HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
-            BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+def _logits(h_desc, w_desc, b_ptr, z_ptr, stride_z, inv_temp, row0, rows, row_ok, col0, hi, V_local, H, vocab_start,
+            real_vocab_size, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, LOAD_Z: tl.constexpr,
+            BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     """z = (hidden @ weight^T + bias) / temperature in fp32 for one tile, -inf at columns past the
     chunk end `hi` or at/after real_vocab_size. Returns (z, cols, valid cols). The division is a
     multiply by the row's IEEE reciprocal of the temperature: an exact division per logit would
-    cost a MUFU op (shared with exp) and a slow-path check, on the path the MMA waits for."""
-    z = _dot_tile(h_desc, w_desc, row0, col0, H, BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
+    cost a MUFU op (shared with exp) and a slow-path check, on the path the MMA waits for.
+    LOAD_Z: the products come from z_ptr, where a STORE_Z launch wrote them (the same fp32 values;
+    what lies outside the rows and the local vocab reads 0, as TMA's zero-fill does)."""
     cols = col0 + tl.arange(0, BLOCK_V)
+    if LOAD_Z:
+        z = tl.load(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
+                    mask=row_ok[:, None] & (cols < V_local)[None, :], other=0.0)
+    else:
+        z = _dot_tile(h_desc, w_desc, row0, col0, H, BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
     if HAS_BIAS:
         z += tl.load(b_ptr + cols, mask=cols < V_local, other=0.0).to(tl.float32)[None, :]
     if HAS_TEMP:
@@ -176,15 +182,25 @@ def _row_inputs(temp_ptr, tgt_ptr, row_block, T, vocab_start, HAS_TEMP: tl.const
 # T and vocab_start are not specialised: T == 1 or T % 16 == 0 (or a rank's vocab_start) would
 # each get a binary of their own; one binary for every batch size and shard leaves nothing to differ.
 @triton.jit(do_not_specialize=["T", "vocab_start"])
-def _chunk_states_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr,
+def _chunk_states_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr, z_ptr, stride_z,
                          T, H, V_local, n_chunks, width, vocab_start, real_vocab_size,
                          HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
                          UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
-                         BLOCK_K: tl.constexpr, LOG2_V: tl.constexpr, GROUP_T: tl.constexpr):
+                         BLOCK_K: tl.constexpr, LOG2_V: tl.constexpr, GROUP_T: tl.constexpr,
+                         STORE_Z: tl.constexpr, LOAD_Z: tl.constexpr):
+    """STORE_Z: only write each tile's products (hidden @ weight^T, fp32) to z_ptr, for sampling;
+    LOAD_Z: fold the products a STORE_Z launch wrote instead of multiplying again."""
     row_block, chunk = _program_tile(tl.cdiv(T, BLOCK_T), n_chunks, GROUP_T)
     rows, row_ok, inv_temp, target = _row_inputs(temp_ptr, tgt_ptr, row_block, T, vocab_start, HAS_TEMP, BLOCK_T)
     lo = chunk * width
     hi = tl.minimum(lo + width, V_local)
+    if STORE_Z:
+        for c0 in tl.range(lo, hi, BLOCK_V, flatten=True):
+            z = _dot_tile(h_desc, w_desc, row_block * BLOCK_T, c0, H, BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
+            cols = c0 + tl.arange(0, BLOCK_V)
+            tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :], z,
+                     mask=row_ok[:, None] & (cols < hi)[None, :])
+        return
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_T], tl.float32)
     w = tl.zeros([BLOCK_T], tl.float32)
@@ -192,8 +208,9 @@ def _chunk_states_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr,
     # Tiles merge in increasing column order: the order is part of every row's numerics. (flatten:
     # one software-pipelined loop over (tile, k), so the next tile's loads fly while this one merges.)
     for c0 in tl.range(lo, hi, BLOCK_V, flatten=True):
-        z, cols, valid = _logits(h_desc, w_desc, b_ptr, inv_temp, row_block * BLOCK_T, c0, hi, V_local, H,
-                                 vocab_start, real_vocab_size, HAS_BIAS, HAS_TEMP, BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
+        z, cols, valid = _logits(h_desc, w_desc, b_ptr, z_ptr, stride_z, inv_temp, row_block * BLOCK_T, rows, row_ok,
+                                 c0, hi, V_local, H, vocab_start, real_vocab_size, HAS_BIAS, HAS_TEMP, LOAD_Z,
+                                 BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
         # the target's logit plus exact zeros: the same value in any summation order
         tz += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
         m, s, w = _merge_tile(m, s, w, z, valid, WITH_ENTROPY, LOG2_V)
@@ -224,8 +241,9 @@ def _dlogits_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, gs_ptr, gw_
     if c0 >= hi:  # a trailing tile of a short last chunk
         return
     rows, row_ok, inv_temp, target = _row_inputs(temp_ptr, tgt_ptr, row_block, T, vocab_start, HAS_TEMP, BLOCK_T)
-    z, cols, valid = _logits(h_desc, w_desc, b_ptr, inv_temp, row_block * BLOCK_T, c0, hi, V_local, H,
-                             vocab_start, real_vocab_size, HAS_BIAS, HAS_TEMP, BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
+    z, cols, valid = _logits(h_desc, w_desc, b_ptr, None, 0, inv_temp, row_block * BLOCK_T, rows, row_ok, c0, hi,
+                             V_local, H, vocab_start, real_vocab_size, HAS_BIAS, HAS_TEMP, False,
+                             BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
     at = rows * n_chunks + chunk
     m = tl.load(m_ptr + at, mask=row_ok, other=0.0)
     p = tl.exp(z - tl.where(m == float("-inf"), 0.0, m)[:, None])
@@ -292,7 +310,8 @@ def _launch(kernel, hidden, weight, args: dict, n_col_tiles: int, **outputs) -> 
         h_desc, w_desc, **args, **outputs, BLOCK_T=block_t, num_warps=BLOCK_T_WARPS[block_t])
 
 
-def _forward(hidden, weight, targets, bias, temperature, vocab_start, width, real_vocab_size, with_entropy):
+def _forward(hidden, weight, targets, bias, temperature, vocab_start, width, real_vocab_size, with_entropy,
+             logits=None):
     T, n = hidden.shape[0], triton.cdiv(weight.shape[0], width)
     m, s = (hidden.new_empty(T, n, dtype=torch.float32) for _ in range(2))
     w = hidden.new_empty(T, n if with_entropy else 0, dtype=torch.float32)
@@ -300,9 +319,23 @@ def _forward(hidden, weight, targets, bias, temperature, vocab_start, width, rea
     if T:
         args = _launch_args(hidden, weight, targets, bias, temperature, width=width, vocab_start=vocab_start,
                             real_vocab_size=real_vocab_size, with_entropy=with_entropy)
+        z = logits.contiguous() if logits is not None else target_z
         _launch(_chunk_states_kernel, _tma_rows(hidden), _tma_rows(weight), args, n,
-                m_ptr=m, s_ptr=s, ent_ptr=w, tz_ptr=target_z)
+                m_ptr=m, s_ptr=s, ent_ptr=w, tz_ptr=target_z, z_ptr=z, stride_z=z.stride(0),
+                STORE_Z=False, LOAD_Z=logits is not None)
     return m, s, w, target_z
+
+
+def _head_logits(hidden, weight, width):
+    """[T, V_local] fp32: hidden @ weight^T exactly as the chunk-state kernel multiplies it."""
+    T = hidden.shape[0]
+    z = hidden.new_empty(T, weight.shape[0], dtype=torch.float32)
+    if T:
+        args = _launch_args(hidden, weight, torch.zeros(T, dtype=torch.long, device=hidden.device), None, None,
+                            width=width, vocab_start=0, real_vocab_size=weight.shape[0], with_entropy=False)
+        _launch(_chunk_states_kernel, _tma_rows(hidden), _tma_rows(weight), args, triton.cdiv(weight.shape[0], width),
+                m_ptr=z, s_ptr=z, ent_ptr=z, tz_ptr=z, z_ptr=z, stride_z=z.stride(0), STORE_Z=True, LOAD_Z=False)
+    return z
 
 
 def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -356,13 +389,16 @@ def _backward(grad_s, grad_w, grad_t, hidden, weight, targets, bias, temperature
 @torch.library.custom_op("lockstep::linear_logp_chunk_states", mutates_args=())
 def _chunk_states_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: Optional[torch.Tensor],
                      temperature: Optional[torch.Tensor], vocab_start: int, width: int, real_vocab_size: int,
-                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(m, s, w, target_z); w is [T, 0] without entropy; temperature is None or fp32 [T]."""
-    return _forward(hidden, weight, targets, bias, temperature, vocab_start, width, real_vocab_size, with_entropy)
+                     with_entropy: bool, logits: Optional[torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m, s, w, target_z); w is [T, 0] without entropy; temperature is None or fp32 [T]; logits:
+    None, or head_logits_op's products for these rows (folded instead of multiplied again)."""
+    return _forward(hidden, weight, targets, bias, temperature, vocab_start, width, real_vocab_size, with_entropy,
+                    logits)
 
 
 @_chunk_states_op.register_fake
-def _(hidden, weight, targets, bias, temperature, vocab_start, width, real_vocab_size, with_entropy):
+def _(hidden, weight, targets, bias, temperature, vocab_start, width, real_vocab_size, with_entropy, logits):
     T, n = hidden.shape[0], triton.cdiv(weight.shape[0], width)
     states = hidden.new_empty(T, n, dtype=torch.float32)
     return (states, torch.empty_like(states), hidden.new_empty(T, n if with_entropy else 0, dtype=torch.float32),
@@ -388,8 +424,19 @@ def _(grad_s, grad_w, grad_t, hidden, weight, targets, bias, temperature, m, voc
             torch.empty_like(bias) if need_bias else empty)
 
 
+@torch.library.custom_op("lockstep::linear_logp_head_logits", mutates_args=())
+def head_logits_op(hidden: torch.Tensor, weight: torch.Tensor, width: int) -> torch.Tensor:
+    """[T, V_local] fp32 products hidden @ weight^T, tile by tile as the chunk-state kernel makes them."""
+    return _head_logits(hidden, weight, width)
+
+
+@head_logits_op.register_fake
+def _(hidden, weight, width):
+    return hidden.new_empty(hidden.shape[0], weight.shape[0], dtype=torch.float32)
+
+
 def _setup_context(ctx, inputs, output):
-    hidden, weight, targets, bias, temperature, *statics = inputs
+    hidden, weight, targets, bias, temperature, *statics, _logits = inputs
     ctx.vocab_start, ctx.width, ctx.real_vocab_size, ctx.with_entropy = statics
     ctx.mark_non_differentiable(output[0])  # the max is a stabiliser: a constant, as in the reference
     ctx.save_for_backward(hidden, weight, targets, bias, temperature, output[0])
@@ -403,7 +450,7 @@ def _chunk_states_backward(ctx, _grad_m, grad_s, grad_w, grad_t):
         m, ctx.vocab_start, ctx.width, ctx.real_vocab_size, ctx.with_entropy, need_hidden, need_weight, need_bias)
     # the temperature gets no gradient: it is a sampling setting, not a parameter
     return (grad_h if need_hidden else None, grad_wt if need_weight else None, None,
-            grad_b if need_bias else None, None, None, None, None, None)
+            grad_b if need_bias else None, None, None, None, None, None, None)
 
 
 _chunk_states_op.register_autograd(_chunk_states_backward, setup_context=_setup_context)
@@ -420,10 +467,15 @@ def _row_temperatures(temperature, hidden: torch.Tensor) -> torch.Tensor | None:
 
 
 def chunk_states(hidden, weight, targets, *, vocab_start, width, real_vocab_size, bias, temperature,
-                 with_entropy) -> ChunkStates:
+                 with_entropy, logits=None) -> ChunkStates:
     """Triton version of lockstep.kernels.logp.torch_chunk_states (same signature and semantics)."""
     m, s, w, target_z = _chunk_states_op(hidden, weight, targets, bias, _row_temperatures(temperature, hidden),
-                                         vocab_start, width, real_vocab_size, with_entropy)
+                                         vocab_start, width, real_vocab_size, with_entropy, logits)
     local = targets - vocab_start
     here = (local >= 0) & (local < weight.shape[0])
     return ChunkStates(m, s, w if with_entropy else None, target_z, here)
+
+
+def head_logits(hidden, weight, *, width):
+    """Triton version of lockstep.kernels.logp.torch_head_logits."""
+    return head_logits_op(hidden, weight, width)

@@ -114,6 +114,7 @@ class LockstepQwen3ForCausalLM(Qwen3ForCausalLM):
         if ops.selection.any:
             self.model.norm = LockstepFinalNorm(self.model.norm, ops)
         self.lockstep_hidden: torch.Tensor | None = None
+        self.lockstep_logits: torch.Tensor | None = None
 
     @property
     def lockstep_lm_head_weight(self) -> torch.Tensor:
@@ -126,13 +127,21 @@ class LockstepQwen3ForCausalLM(Qwen3ForCausalLM):
         are the sampled positions: kept for the sampler's logprob replacement."""
         self.lockstep_hidden = hidden_states
         logits = self.lockstep_ops.logp.linear(hidden_states, self.lockstep_lm_head_weight).float()
+        # lockstep's logits are kept for the logprob replay, which folds them instead of a second
+        # pass over the LM head; vLLM's sampler gets a copy (it divides by the temperature in place)
+        self.lockstep_logits = logits if self.lockstep_ops.logp.reuse_logits else None
+        if self.lockstep_logits is not None:
+            logits = logits.clone()
         logits[:, self.real_vocab_size:] = float("-inf")
         return logits
 
     def token_logp(self, hidden, targets, *, temperature=None, support_ids=None):
+        logits = self.lockstep_logits
+        if logits is not None and logits.shape[0] != hidden.shape[0]:
+            logits = None  # not the rows being replayed
         return self.lockstep_ops.logp.linear_logp(hidden, self.lockstep_lm_head_weight, targets,
                                                   temperature=temperature, real_vocab_size=self.real_vocab_size,
-                                                  support_ids=support_ids)
+                                                  support_ids=support_ids, logits=logits)
 
     def lockstep_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The weights under HF names and shapes (fused q/k/v and gate/up split, vocab padding
