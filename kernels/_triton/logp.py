@@ -126,6 +126,11 @@ def _logits(h_desc, w_desc, b_ptr, z_ptr, stride_z, inv_temp, row0, rows, row_ok
     if LOAD_Z:
         z = tl.load(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
                     mask=row_ok[:, None] & (cols < V_local)[None, :], other=0.0)
+        # + a product of zeros: the tile moves into the MMA accumulator layout, so the fold below
+        # compiles as in the multiplying kernel (a blocked tile spilled and compiled for minutes)
+        zeros_h = tl.zeros([BLOCK_T, 16], dtype=h_desc.dtype)
+        zeros_w = tl.zeros([16, BLOCK_V], dtype=h_desc.dtype)
+        z = tl.dot(zeros_h, zeros_w, z, input_precision="ieee")
     else:
         z = _dot_tile(h_desc, w_desc, row0, col0, H, BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
     if HAS_BIAS:
