@@ -121,14 +121,16 @@ _head_logits = KernelOp("lm_head_logits", torch_head_logits, "logp:head_logits")
 
 
 def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, *, full_vocab_size: int | None = None) -> torch.Tensor:
-    """[T, V_local] fp32 logits hidden @ weight^T, computed exactly as linear_logp computes its
-    logits (before bias, temperature and padding): an engine samples from them, then passes them
-    back as linear_logp(..., logits=) to get the sampled token's logprob without a second pass
-    over the LM head, bit for bit what linear_logp(hidden, weight, ...) gives."""
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"lm_head_logits: hidden [T,H] and weight [V,H] expected, got "
+    """[..., V_local] fp32 logits hidden [..., H] @ weight^T, computed exactly as linear_logp
+    computes its logits (before bias, temperature and padding): an engine samples from them, then
+    passes them back (as [T, V_local]) to linear_logp(..., logits=) to get the sampled tokens'
+    logprobs without a second pass over the LM head, bit for bit what linear_logp(hidden, weight,
+    ...) gives."""
+    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"lm_head_logits: hidden [..., H] and weight [V, H] expected, got "
                          f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
-    return _head_logits(hidden, weight, width=chunk_width(full_vocab_size or weight.shape[0]))
+    z = _head_logits(hidden.reshape(-1, hidden.shape[-1]), weight, width=chunk_width(full_vocab_size or weight.shape[0]))
+    return z.reshape(*hidden.shape[:-1], weight.shape[0])
 
 
 def merge_tree(m: torch.Tensor, s: torch.Tensor, w: torch.Tensor | None):
