@@ -18,8 +18,9 @@
 #   resume      benchmarks/resume_1gpu.py (4 steps straight vs 2 + resume, bf16 megatron, bitwise)
 #   rollout     benchmarks/bench_rollout.py (stock vLLM, batch-invariant, lockstep, native)
 #   decode      benchmarks/bench_decode.py (where a strict decode step spends its time; split-K vs cuBLAS)
-#               (decode and kernels need only torch and triton: no carried wheels)
+#               (decode, kernels and sweeps need only torch and triton: no carried wheels)
 #   kernels     benchmarks/kernels.py (all kernel tables)
+#   sweep_rowtree benchmarks/sweep_rowtree.py (row-parallel GEMM: tile x loop x split vs cuBLAS)
 set -uo pipefail
 OUT=${OUT:-/tmp/lockstep-out}
 mkdir -p "$OUT"
@@ -81,6 +82,8 @@ for stage in "$@"; do
     rollout) need_site; timeout 590 python3 benchmarks/bench_rollout.py "$OUT/rollout.md" ${ROLLOUT_ARGS:-} > "$OUT/rollout.log" 2>&1
              tail -20 "$OUT/rollout.log" ;;
     decode)  link_lockstep; timeout 300 python3 benchmarks/bench_decode.py "$OUT/decode.md" > "$OUT/decode.log" 2>&1; tail -40 "$OUT/decode.log" ;;
+    sweep_rowtree) link_lockstep; timeout 330 python3 benchmarks/sweep_rowtree.py "$OUT/sweep_rowtree.md" > "$OUT/sweep_rowtree.log" 2>&1
+             tail -40 "$OUT/sweep_rowtree.log" ;;
     kernels) link_lockstep; timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
     *)       echo "unknown stage $stage"; rc=2 ;;
   esac

@@ -271,7 +271,8 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
         monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], **decode_tiles})
         assert torch.equal(K.varlen_attention(q, k, v, cu), ref)
         assert torch.equal(K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last), decode)
-    # decode programs per sequence: one walking all 3 chunks (0 asks for none: at least one), or one per chunk
+    # decode programs per sequence: one walking all 3 chunks, merging in registers (0 asks for none: at
+    # least one), or one per chunk, merging the stored states
     for per_sm in (0, 64):
         monkeypatch.setattr(triton_backend, "_DECODE_PROGRAMS_PER_SM", per_sm)
         assert torch.equal(K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last), decode), per_sm
@@ -290,8 +291,9 @@ common = dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK)
 cfg = A.TUNING["prefill"]
 prefill = compile_sm90(A._prefill_kernel, types, dict(BLOCK_Q=cfg["BLOCK_Q"], **common), cfg["num_warps"], cfg["num_stages"])
 cfg = A.TUNING["decode"]
-decode = compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=A.decode_rows(4), MERGE_ROWS=4, **common), cfg["num_warps"], cfg["num_stages"])
-print(json.dumps([prefill, decode]))
+decode = [compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=A.decode_rows(4), MERGE_ROWS=4, IN_REGISTERS=r, **common),
+                       cfg["num_warps"], cfg["num_stages"]) for r in (False, True)]
+print(json.dumps([prefill, *decode]))
 """
 
 
@@ -301,10 +303,12 @@ def test_decode_and_prefill_multiply_with_the_same_mma_instructions():
     a row's q.k, P@V and row-sum dots are the same instructions in both; and neither spills."""
     from sm90 import probe
 
-    prefill, decode = probe(_MMA_PROBE)
-    assert prefill["mma"] == decode["mma"], f"prefill MMAs {prefill['mma']} != decode MMAs {decode['mma']}"
+    prefill, decode, decode_in_registers = probe(_MMA_PROBE)
+    for d in (decode, decode_in_registers):
+        assert prefill["mma"] == d["mma"], f"prefill MMAs {prefill['mma']} != decode MMAs {d['mma']}"
+        assert d["spill_bytes"] == 0, d
     assert {version for version, _ in prefill["mma"]} == {"3"}, f"expected wgmma (MMA v3) only, got {prefill['mma']}"
-    assert prefill["spill_bytes"] == decode["spill_bytes"] == 0, (prefill, decode)
+    assert prefill["spill_bytes"] == 0, prefill
 
 
 def test_custom_ops(triton_backend):

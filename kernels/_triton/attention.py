@@ -201,12 +201,15 @@ def _prefill_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stri
 def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q_begin, q_count, q_pos, page_table,
                          stride_table, page_size, stride_page, stride_head, stride_slot, n_heads, qk_scale,
                          n_chunks, GROUP: tl.constexpr, ROWS: tl.constexpr, MERGE_ROWS: tl.constexpr,
-                         D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr):
+                         D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
+                         IN_REGISTERS: tl.constexpr):
     """The states of the chunks p, p + P, p + 2P, ... (P programs per sequence and kv head) of one
     single-query sequence, for all query heads of one kv head; the last of the sequence's programs
     to finish merges every chunk's state in chunk order, as _prefill_kernel does in registers, and
     stores the rows (one launch per decode step). P follows the batch, never the cache length, so
-    a grid sized for the longest sequence (a CUDA graph's) costs no idle programs."""
+    a grid sized for the longest sequence (a CUDA graph's) costs no idle programs. IN_REGISTERS
+    (P = 1, a large batch): the one program merges each chunk's state as it finishes, in the same
+    order with the same operations, and no state goes through memory."""
     p, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_programs = tl.num_programs(0)
     if tl.load(q_count + seq) != 1:
@@ -222,6 +225,17 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     first = ((seq * tl.num_programs(1) + kv_head) * n_chunks).to(tl.int64) * GROUP + rows % GROUP
     keep = rows < GROUP
     cols = tl.arange(0, D)[None, :]
+    if IN_REGISTERS:
+        m_r = tl.full((ROWS,), float("-inf"), tl.float32)
+        l_r = tl.zeros((ROWS,), tl.float32)
+        acc_r = tl.zeros((ROWS, D), tl.float32)
+        for chunk in range(0, n_need):
+            m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k + kv_head * stride_head, v + kv_head * stride_head,
+                                     page_table + seq * stride_table, page_size, stride_page, stride_slot, qk_scale,
+                                     ROWS, D, KV_BLOCK, KV_CHUNK)
+            m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m, l, acc)
+        _store_rows(out, lse, tok * n_heads + head, keep, m_r, l_r, acc_r, D)
+        return
     for chunk in range(p, n_need, n_programs):
         m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k + kv_head * stride_head, v + kv_head * stride_head,
                                  page_table + seq * stride_table, page_size, stride_page, stride_slot, qk_scale,
@@ -449,18 +463,21 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     d, n_seqs = q.shape[2], queries.count.numel()
     cfg = TUNING["decode"]
     n_chunks = triton.cdiv(keys.max_count, KV_CHUNK)
-    part_m = torch.empty((n_seqs, keys.n_heads, n_chunks, group), device=q.device, dtype=torch.float32)
-    part_l = torch.empty_like(part_m)
-    part_acc = torch.empty((*part_m.shape, d), device=q.device, dtype=torch.float32)
-    tickets = torch.zeros((n_seqs, keys.n_heads), device=q.device, dtype=torch.int32)  # a memset node in a graph
     # programs per (sequence, kv head): enough to give every SM a few at small batch, at most one per chunk
     per_seq = max(1, min(n_chunks, triton.cdiv(_DECODE_PROGRAMS_PER_SM * resident_programs(q.device),
                                                n_seqs * keys.n_heads)))
+    states = (n_seqs, keys.n_heads, n_chunks, group) if per_seq > 1 else (1,)  # one program: merged in registers
+    part_m = torch.empty(states, device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((*states, d), device=q.device, dtype=torch.float32)
+    tickets = torch.zeros((n_seqs, keys.n_heads) if per_seq > 1 else (1,), device=q.device,
+                          dtype=torch.int32)  # a memset node in a graph
     _decode_chunk_kernel[(per_seq, keys.n_heads, n_seqs)](
         q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, queries.begin, queries.count, queries.pos,
         *_page_args(keys), q.shape[1], qk_scale, n_chunks, GROUP=group, ROWS=decode_rows(group),
         MERGE_ROWS=triton.next_power_of_2(group), D=d,
-        KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, IN_REGISTERS=per_seq == 1,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):

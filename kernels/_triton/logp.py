@@ -120,7 +120,7 @@ def _logits(h_desc, w_desc, b_ptr, z_ptr, stride_z, inv_temp, row0, rows, row_ok
     chunk end `hi` or at/after real_vocab_size. Returns (z, cols, valid cols). The division is a
     multiply by the row's IEEE reciprocal of the temperature: an exact division per logit would
     cost a MUFU op (shared with exp) and a slow-path check, on the path the MMA waits for.
-    LOAD_Z: the products come from z_ptr, where a STORE_Z launch wrote them (the same fp32 values;
+    LOAD_Z: the products come from z_ptr, where _head_logits_kernel wrote them (the same fp32 values;
     what lies outside the rows and the local vocab reads 0, as TMA's zero-fill does)."""
     cols = col0 + tl.arange(0, BLOCK_V)
     if LOAD_Z:
@@ -192,20 +192,13 @@ def _chunk_states_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr,
                          HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
                          UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
                          BLOCK_K: tl.constexpr, LOG2_V: tl.constexpr, GROUP_T: tl.constexpr,
-                         STORE_Z: tl.constexpr, LOAD_Z: tl.constexpr):
-    """STORE_Z: only write each tile's products (hidden @ weight^T, fp32) to z_ptr, for sampling;
-    LOAD_Z: fold the products a STORE_Z launch wrote instead of multiplying again."""
+                         LOAD_Z: tl.constexpr):
+    """One program per (row block, vocab chunk): the chunk's tiles in increasing column order.
+    LOAD_Z: fold the products _head_logits_kernel wrote instead of multiplying again."""
     row_block, chunk = _program_tile(tl.cdiv(T, BLOCK_T), n_chunks, GROUP_T)
     rows, row_ok, inv_temp, target = _row_inputs(temp_ptr, tgt_ptr, row_block, T, vocab_start, HAS_TEMP, BLOCK_T)
     lo = chunk * width
     hi = tl.minimum(lo + width, V_local)
-    if STORE_Z:
-        for c0 in tl.range(lo, hi, BLOCK_V, flatten=True):
-            z = _dot_tile(h_desc, w_desc, row_block * BLOCK_T, c0, H, BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
-            cols = c0 + tl.arange(0, BLOCK_V)
-            tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :], z,
-                     mask=row_ok[:, None] & (cols < hi)[None, :])
-        return
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_T], tl.float32)
     w = tl.zeros([BLOCK_T], tl.float32)
@@ -225,6 +218,26 @@ def _chunk_states_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr,
     if WITH_ENTROPY:
         tl.store(ent_ptr + at, w, mask=row_ok)
     tl.store(tz_ptr + rows, tz, mask=row_ok & (target >= lo) & (target < hi))
+
+
+@triton.jit(do_not_specialize=["T"])
+def _head_logits_kernel(h_desc, w_desc, z_ptr, stride_z, T, H, V_local, width, UPCAST: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr):
+    """z [T, V_local] = hidden @ weight^T in fp32, one tile per program, the tiles laid out per
+    vocab chunk as the chunk-state kernel walks them (_dot_tile: the same products, bit for bit).
+    Nothing is folded, so no tile waits for another: a decode batch gets as many programs as tiles."""
+    tiles_per_chunk = tl.cdiv(width, BLOCK_V)
+    row_block, tile = _program_tile(tl.cdiv(T, BLOCK_T), tl.cdiv(V_local, width) * tiles_per_chunk, GROUP_T)
+    lo = (tile // tiles_per_chunk) * width
+    hi = tl.minimum(lo + width, V_local)
+    c0 = lo + (tile % tiles_per_chunk) * BLOCK_V
+    if c0 >= hi:  # a trailing tile of a short last chunk
+        return
+    z = _dot_tile(h_desc, w_desc, row_block * BLOCK_T, c0, H, BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
+    rows = row_block * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = c0 + tl.arange(0, BLOCK_V)
+    tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :], z,
+             mask=(rows < T)[:, None] & (cols < hi)[None, :])
 
 
 @triton.jit(do_not_specialize=["T", "vocab_start"])
@@ -327,19 +340,21 @@ def _forward(hidden, weight, targets, bias, temperature, vocab_start, width, rea
         z = logits.contiguous() if logits is not None else target_z
         _launch(_chunk_states_kernel, _tma_rows(hidden), _tma_rows(weight), args, n,
                 m_ptr=m, s_ptr=s, ent_ptr=w, tz_ptr=target_z, z_ptr=z, stride_z=z.stride(0),
-                STORE_Z=False, LOAD_Z=logits is not None)
+                LOAD_Z=logits is not None)
     return m, s, w, target_z
 
 
 def _head_logits(hidden, weight, width):
     """[T, V_local] fp32: hidden @ weight^T exactly as the chunk-state kernel multiplies it."""
-    T = hidden.shape[0]
-    z = hidden.new_empty(T, weight.shape[0], dtype=torch.float32)
+    T, V = hidden.shape[0], weight.shape[0]
+    z = hidden.new_empty(T, V, dtype=torch.float32)
     if T:
-        args = _launch_args(hidden, weight, torch.zeros(T, dtype=torch.long, device=hidden.device), None, None,
-                            width=width, vocab_start=0, real_vocab_size=weight.shape[0], with_entropy=False)
-        _launch(_chunk_states_kernel, _tma_rows(hidden), _tma_rows(weight), args, triton.cdiv(weight.shape[0], width),
-                m_ptr=z, s_ptr=z, ent_ptr=z, tz_ptr=z, z_ptr=z, stride_z=z.stride(0), STORE_Z=True, LOAD_Z=False)
+        cfg = TILE_CONFIGS[hidden.dtype]
+        tiles = triton.cdiv(V, width) * triton.cdiv(width, cfg.block_v)
+        _launch(_head_logits_kernel, _tma_rows(hidden), _tma_rows(weight),
+                dict(T=T, H=hidden.shape[1], V_local=V, width=width, UPCAST=INTERPRETING and hidden.dtype == torch.bfloat16,
+                     BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_T=GROUP_T, num_stages=cfg.num_stages),
+                tiles, z_ptr=z, stride_z=z.stride(0))
     return z
 
 

@@ -58,19 +58,13 @@ CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 ]
 
 
-# The row-parallel GEMM (splitk.py): a program holding a subtree of 8 chunks keeps up to 4 fp32
-# tiles live (the accumulator and three finished subtrees), so tiles hold 4096 elements per
-# warpgroup (32 registers per tile per thread): no spills on sm_90 at any split (ptxas, Triton 3.6).
-# programs_per_sm is the program count the subtree split aims for at small M (programs = tiles x
-# split); like every field here it never changes the bits.
+# The row-parallel GEMM (splitk.py). One 64x128 tile on one warpgroup at every M: the best of the
+# sweep (benchmarks/sweep_rowtree.py, H200, RESULTS.md) at M = 1 .. 4096 on the o_proj and down_proj
+# shapes, against 64x64, 128x64, 128x128 and two-warpgroup tiles. programs_per_sm is the program count
+# the subtree split aims for at small M (programs = tiles x split); like every field here it never
+# changes the bits.
 ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
-    # decode: narrow tiles, one warpgroup (~150 registers: several programs per SM), and the
-    # subtree split multiplies the programs further (o_proj at M=1: 64 tiles x 8 subtrees)
-    (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=4, programs_per_sm=2)),
-    # two warpgroups per 64x128 tile (185-230 registers with the tree holders: one program per SM)
-    (256, GemmConfig(block_m=64, block_n=128, group_m=1, num_warps=8, num_stages=4, programs_per_sm=1)),
-    (1024, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=8, num_stages=4, programs_per_sm=1)),
-    (None, GemmConfig(block_m=128, block_n=64, group_m=8, num_warps=8, num_stages=4, programs_per_sm=1)),
+    (None, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
 ]
 ROW_CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
     (None, GemmConfig(block_m=64, block_n=32, group_m=8, num_warps=4, num_stages=2, programs_per_sm=2)),

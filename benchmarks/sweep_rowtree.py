@@ -1,0 +1,71 @@
+"""Sweep of the row-parallel GEMM (kernels/_triton/splitk.py) on the GPU at hand: tile config x
+programs per tile (split 1: one loop over all chunks; split > 1: one loop per chunk), bf16, the
+Qwen3-8B o_proj / down_proj shapes, vs cuBLAS.
+
+    python benchmarks/sweep_rowtree.py [OUT.md]
+
+Every candidate computes the same bits (tile and split decide only which program
+computes an element and where a sum is done): each is checked bitwise against the default before
+it is timed. Prints, per (shape, M), cuBLAS and the default's time and the best candidate; then each
+candidate's geometric-mean ratio over the Ms of a bucket.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+
+from _harness import emit, graph_ms_per_call
+from lockstep.kernels._triton.matmul_configs import GemmConfig as G
+from lockstep.kernels._triton.splitk import row_tree
+
+SHAPES = [("o_proj", 4096, 4096), ("down", 12288, 4096)]
+MS = [1, 8, 64, 256, 1024, 4096]
+CONFIGS = [G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4), G(128, 64, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 128, 8, 4, 4)]
+SPLITS = [None, 1, 2, 8]  # None: split_for's choice
+
+
+def main() -> None:
+    out = sys.argv[1] if len(sys.argv) > 1 else None
+    lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}\n",
+             "| shape | M | cuBLAS us | default us | default ratio | best candidate | best us | best ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    scores: dict[tuple, list[float]] = {}
+    for name, k, n in SHAPES:
+        w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+        chunk = k // 8
+        for m in MS:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            ref = row_tree(x, w, chunk, x.dtype)
+            cublas = graph_ms_per_call(lambda: x @ w.t()) * 1e3
+            default = graph_ms_per_call(lambda: row_tree(x, w, chunk, x.dtype)) * 1e3
+            best = (default, "default")
+            for cfg in CONFIGS:
+                for split in SPLITS:
+                    key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm, split or "auto")
+                    fn = lambda: row_tree(x, w, chunk, x.dtype, split=split, config=cfg)  # noqa: E731
+                    try:
+                        got = fn()
+                    except Exception as e:  # noqa: BLE001 - a candidate that does not compile is no winner
+                        print(f"  {name} M={m} {key}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
+                        continue
+                    if not torch.equal(got, ref):
+                        raise AssertionError(f"{name} M={m} {key}: bits differ from the default")
+                    us = graph_ms_per_call(fn) * 1e3
+                    scores.setdefault(key, []).append((m, cublas / us))
+                    if us < best[0]:
+                        best = (us, str(key))
+            lines.append(f"| {name} | {m} | {cublas:.1f} | {default:.1f} | {cublas / default:.3f} | {best[1]} | "
+                         f"{best[0]:.1f} | {cublas / best[0]:.3f} |")
+            print(lines[-1], flush=True)
+    lines += ["", "Geometric-mean ratio to cuBLAS per candidate (tile, warps, stages, programs/SM, split):", ""]
+    for bucket in ([1, 8, 64], [256], [1024], [4096]):
+        ranked = sorted(((statistics.geometric_mean([r for m, r in v if m in bucket]), key)
+                         for key, v in scores.items() if any(m in bucket for m, _ in v)), reverse=True)
+        lines.append(f"M in {bucket}: " + "; ".join(f"{key} {r:.3f}" for r, key in ranked[:6]))
+    emit(lines, out)
+
+
+if __name__ == "__main__":
+    main()
