@@ -13,10 +13,11 @@ apart from the generation. Baselines at their best: vLLM 0.26's defaults (torch.
 graphs FULL_AND_PIECEWISE, FlashAttention 3 on Hopper), gpu_memory_utilization 0.85 for every vLLM
 config. The native engine runs a shorter generation at the 8B shape (--native-new-8b) and says so.
 
---profile-steps N (vLLM configs): after the timed generation, the same requests generate N more
-tokens under torch.profiler, with vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
-and OUT.<shape>-<config>.profile.md gets the wall time per step, the GPU-busy time per step and the
-kernels by total GPU time: where a decode step spends its time inside the real engine.
+--profile-steps N (vLLM configs): after the timed generation, the same requests generate 1 token and
+then N tokens under torch.profiler, with vLLM's engine core in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0), and OUT.<shape>-<config>.profile.md gets the difference per decode
+step (the prefill step taken out): wall and GPU-busy time, kernels by GPU time and host ops by CPU time,
+i.e. where a decode step spends its time inside the real engine.
 """
 from __future__ import annotations
 
@@ -55,8 +56,9 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(10, min(vocab, 150000), (n, length), generator=g).tolist()
 
 
-def profile_generate(llm, ps, steps: int, path: str) -> None:
-    """One generate of `steps` new tokens per request under torch.profiler: a markdown summary."""
+def _profiled(llm, ps, steps: int):
+    """One generate of `steps` new tokens per request under torch.profiler: (wall s, {kernel: (calls,
+    GPU us)}, {host op: (calls, self CPU us)})."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
@@ -69,18 +71,35 @@ def profile_generate(llm, ps, steps: int, path: str) -> None:
         llm.generate(ps, params, use_tqdm=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
-    kernels.sort(key=lambda e: -e.device_time_total)
-    busy = sum(e.device_time_total for e in kernels) / 1e3  # ms
-    lines = [f"{len(ps)} requests x {steps} new tokens (one prefill + {steps - 1} decode steps): wall "
-             f"{wall * 1e3 / steps:.2f} ms per step, GPU busy {busy / steps:.2f} ms per step", "",
-             "| kernel | calls | GPU ms per step | share of busy |", "|---|---|---|---|"]
-    for e in kernels[:30]:
-        lines.append(f"| `{e.key[:90]}` | {e.count} | {e.device_time_total / 1e3 / steps:.3f} | "
-                     f"{e.device_time_total / 1e3 / busy:.1%} |")
-    cpu = sorted((e for e in prof.key_averages() if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)
-    lines += ["", "| host op (self CPU) | calls | ms per step |", "|---|---|---|"]
-    lines += [f"| `{e.key[:90]}` | {e.count} | {e.self_cpu_time_total / 1e3 / steps:.3f} |" for e in cpu[:25]]
+    events = prof.key_averages()
+    gpu = {e.key: (e.count, e.device_time_total) for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"}
+    cpu = {e.key: (e.count, e.self_cpu_time_total) for e in events if e.device_type.name == "CPU"}
+    return wall, gpu, cpu
+
+
+def profile_generate(llm, ps, steps: int, path: str) -> None:
+    """Where a decode step spends its time: the same requests generate 1 token (the prefill step)
+    and then `steps` tokens under torch.profiler; the difference over the steps - 1 decode steps is
+    each kernel's and host op's cost per decode step, without the prefill (which at a long prompt
+    batch dominates a short profile)."""
+    wall1, gpu1, cpu1 = _profiled(llm, ps, 1)
+    wall, gpu, cpu = _profiled(llm, ps, steps)
+    n = steps - 1
+
+    def per_step(now: dict, prefill: dict) -> list[tuple[str, float, float]]:
+        rows = [(k, (c - prefill.get(k, (0, 0))[0]) / n, (t - prefill.get(k, (0, 0))[1]) / 1e3 / n)
+                for k, (c, t) in now.items()]
+        return sorted(rows, key=lambda r: -r[2])
+
+    kernels = per_step(gpu, gpu1)
+    busy = sum(ms for _, _, ms in kernels)
+    lines = [f"{len(ps)} requests: generating {steps} tokens minus generating 1 (the prefill step), per decode step "
+             f"of {n}: wall {(wall - wall1) * 1e3 / n:.2f} ms, GPU busy {busy:.2f} ms (prefill step alone: wall "
+             f"{wall1 * 1e3:.1f} ms)", "",
+             "| kernel | calls per step | GPU ms per step | share of busy |", "|---|---|---|---|"]
+    lines += [f"| `{k[:90]}` | {c:.1f} | {ms:.3f} | {ms / busy:.1%} |" for k, c, ms in kernels[:30]]
+    lines += ["", "| host op (self CPU) | calls per step | ms per step |", "|---|---|---|"]
+    lines += [f"| `{k[:90]}` | {c:.1f} | {ms:.3f} |" for k, c, ms in per_step(cpu, cpu1)[:25]]
     emit(lines, path)
 
 
@@ -194,6 +213,8 @@ def main() -> None:
     p.add_argument("--child")
     p.add_argument("--shape")
     args = p.parse_args()
+    if args.profile_steps == 1:
+        p.error("--profile-steps needs at least 2: the profile subtracts a 1-token (prefill) generate")
     if args.child:
         return child(args)
     rows = []
