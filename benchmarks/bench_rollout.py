@@ -72,7 +72,8 @@ def _profiled(llm, ps, steps: int):
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     events = prof.key_averages()
-    gpu = {e.key: (e.count, e.device_time_total) for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"}
+    gpu = {e.key: (e.count, e.device_time_total) for e in events
+           if e.device_time_total > 0 and e.device_type.name == "CUDA"}
     cpu = {e.key: (e.count, e.self_cpu_time_total) for e in events if e.device_type.name == "CPU"}
     return wall, gpu, cpu
 

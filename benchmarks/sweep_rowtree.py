@@ -43,7 +43,8 @@ def main() -> None:
             best = (default, "default")
             for cfg in CONFIGS:
                 for split in SPLITS:
-                    key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm, split or "auto")
+                    key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm,
+                           split or "auto")
                     fn = lambda: row_tree(x, w, chunk, x.dtype, split=split, config=cfg)  # noqa: E731
                     try:
                         got = fn()

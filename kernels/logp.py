@@ -12,8 +12,8 @@ Numerics (identical on every side and for every vocab sharding):
   `real_vocab_size` (padding) are -inf;
 - with `support_ids` [T, k] (-1 = unused slot) the softmax runs over those ids only (top-p replay),
   taken as a set: rows are sorted before reducing, so the listing order never matters.
-The [T, V] logits are never materialised at once: the torch reference builds one chunk at a time,
-the Triton backend one tile at a time.
+The [T, V] logits are never materialised at once: the torch reference builds groups of whole
+chunks of at most 64 MiB, the Triton backend one tile at a time.
 """
 from __future__ import annotations
 
@@ -89,31 +89,43 @@ def torch_head_logits(hidden, weight, *, width) -> torch.Tensor:
                       for lo in range(0, weight.shape[0], width)], -1)
 
 
+_GROUP_ELEMENTS = 1 << 24  # fp32 logits the reference holds at once (64 MiB), in whole chunks
+
+
 def torch_chunk_states(hidden, weight, targets, *, vocab_start, width, real_vocab_size, bias, temperature,
                        with_entropy, logits=None) -> ChunkStates:
     """The torch reference: one fixed-shape GEMM per chunk (or its products from `logits`, as
-    torch_head_logits gave them: exact in hidden's dtype), a tree sum across its columns."""
-    ms, ss, ws = [], [], []
-    target_z = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    local = targets - vocab_start
-    here = (local >= 0) & (local < weight.shape[0])
+    torch_head_logits gave them: exact in hidden's dtype), a tree sum across its columns. What
+    follows the products is elementwise (and max, exact in any order) per chunk row, so it runs on
+    a group of whole chunks at once, as [T, chunks, width] (a short last chunk padded with -inf:
+    exact zeros in the sums), with the bits of one chunk at a time."""
+    v = weight.shape[0]
     if logits is not None and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         logits = None  # the same products, multiplied again so that autograd sees them
-    for lo in range(0, weight.shape[0], width):
-        hi = min(lo + width, weight.shape[0])
-        z = _chunk_products(hidden, weight, lo, hi) if logits is None else logits[:, lo:hi].to(hidden.dtype)
+    local = targets - vocab_start
+    here = (local >= 0) & (local < v)
+    target_z = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    states = []
+    step = width * max(1, _GROUP_ELEMENTS // max(1, hidden.shape[0] * width))  # columns per group
+    for g0 in range(0, v, step):
+        g1 = min(g0 + step, v)
+        if logits is None:
+            z = torch.cat([_chunk_products(hidden, weight, lo, min(lo + width, g1)) for lo in range(g0, g1, width)], -1)
+        else:
+            z = logits[:, g0:g1].to(hidden.dtype)
         if bias is not None:
-            z = z + bias[lo:hi]
+            z = z + bias[g0:g1]
         z = _scale(z.float(), temperature)
-        cols = torch.arange(vocab_start + lo, vocab_start + hi, device=z.device)
+        cols = torch.arange(vocab_start + g0, vocab_start + g1, device=z.device)
         z = z.masked_fill(cols >= real_vocab_size, _NEG_INF)
-        in_chunk = (local >= lo) & (local < hi)
-        picked = z.gather(1, (local - lo).clamp(0, hi - lo - 1).unsqueeze(1)).squeeze(1)
-        target_z = torch.where(in_chunk, picked, target_z)
-        m, s, w = _state(z, with_entropy)
-        ms.append(m), ss.append(s), ws.append(w)
-    return ChunkStates(torch.stack(ms, -1), torch.stack(ss, -1), torch.stack(ws, -1) if with_entropy else None,
-                       target_z, here)
+        in_group = (local >= g0) & (local < g1)
+        picked = z.gather(1, (local - g0).clamp(0, g1 - g0 - 1).unsqueeze(1)).squeeze(1)
+        target_z = torch.where(in_group, picked, target_z)
+        n = -(-(g1 - g0) // width)
+        states.append(_state(F.pad(z, (0, n * width - (g1 - g0)), value=_NEG_INF).unflatten(-1, (n, width)),
+                             with_entropy))
+    m, s, w = (torch.cat(parts, -1) if parts[0] is not None else None for parts in zip(*states))
+    return ChunkStates(m, s, w, target_z, here)
 
 
 chunk_states = KernelOp("linear_logp_chunk_states", torch_chunk_states, "logp:chunk_states")

@@ -207,6 +207,30 @@ def test_linear_logp_grad_matches_reference():
     assert torch.allclose(gh.double(), rh, atol=1e-5) and torch.allclose(gw.double(), rw, atol=1e-5)
 
 
+def test_linear_logp_reference_groups_never_change_a_bit(monkeypatch):
+    """The reference folds whole vocab chunks in groups bounded by memory: one chunk per group
+    (the chunk-at-a-time loop it replaced) and every chunk in one group give the same values and
+    gradients, with bias, temperature, padding columns and entropy, and from passed-back logits."""
+    from lockstep.kernels import logp as L
+
+    torch.manual_seed(5)
+    h = torch.randn(9, 16, requires_grad=True)
+    w = (torch.randn(301, 16) * 0.3).requires_grad_()
+    bias, t = torch.randn(301), torch.randint(0, 290, (9,))
+
+    def run():
+        out = K.linear_logp(h, w, t, bias=bias, temperature=torch.full((9,), 0.7), real_vocab_size=290,
+                            with_entropy=True)
+        with torch.no_grad():
+            reused = K.linear_logp(h, w, t, temperature=0.7, logits=K.lm_head_logits(h, w)).logp
+        return (out.logp, out.entropy, *torch.autograd.grad((out.logp + out.entropy).sum(), (h, w)), reused)
+
+    whole = run()
+    monkeypatch.setattr(L, "_GROUP_ELEMENTS", 1)  # one chunk per group
+    for a, b in zip(whole, run()):
+        assert torch.equal(a, b)
+
+
 def test_backend_selection_errors():
     with pytest.raises(ValueError, match="valid: torch, triton"):
         K.set_backend("cuda-magic")

@@ -1,4 +1,4 @@
-"""Resume: 12 steps straight equal 6 steps, then trainer.resume=RUN_DIR to 12, bit for bit, for
+"""Resume: 8 steps straight equal 5 steps, then trainer.resume=RUN_DIR to 8, bit for bit, for
 both actors; a resume with a config that computes something else is refused, naming the keys."""
 import json
 
@@ -23,14 +23,14 @@ def test_resume_continues_bitwise(ray_session, tmp_path, actor):
     if actor == "megatron":
         optional("megatron.core")
     common = [f"actor={actor}", "algo.kl_coef=0.01", "rollout.top_p=0.9"]
-    assert _run(tmp_path / "straight", "trainer.steps=12", *common) == 0
-    assert _run(tmp_path / "first", "trainer.steps=6", "trainer.save_every=2", "trainer.keep_checkpoints=2", *common) == 0
+    assert _run(tmp_path / "straight", "trainer.steps=8", *common) == 0
+    assert _run(tmp_path / "first", "trainer.steps=5", "trainer.save_every=2", "trainer.keep_checkpoints=2", *common) == 0
     kept = sorted(d.name for d in (tmp_path / "first" / "checkpoints").iterdir())
-    assert kept == ["step-4", "step-6"]  # every 2 steps and the last, the newest 2
-    assert _run(tmp_path / "resumed", "trainer.steps=12", f"trainer.resume={tmp_path / 'first'}", *common) == 0
+    assert kept == ["step-4", "step-5"]  # every 2 steps and the last, the newest 2
+    assert _run(tmp_path / "resumed", "trainer.steps=8", f"trainer.resume={tmp_path / 'first'}", *common) == 0
     straight = {r["step"]: r for r in read_jsonl(tmp_path / "straight" / "metrics.jsonl")}
     resumed = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == list(range(7, 13))
+    assert [r["step"] for r in resumed] == list(range(6, 9))
     for r in resumed:
         a, b = computed(straight[r["step"]]), computed(r)
         assert a == b, {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}

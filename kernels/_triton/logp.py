@@ -352,7 +352,8 @@ def _head_logits(hidden, weight, width):
         cfg = TILE_CONFIGS[hidden.dtype]
         tiles = triton.cdiv(V, width) * triton.cdiv(width, cfg.block_v)
         _launch(_head_logits_kernel, _tma_rows(hidden), _tma_rows(weight),
-                dict(T=T, H=hidden.shape[1], V_local=V, width=width, UPCAST=INTERPRETING and hidden.dtype == torch.bfloat16,
+                dict(T=T, H=hidden.shape[1], V_local=V, width=width,
+                     UPCAST=INTERPRETING and hidden.dtype == torch.bfloat16,
                      BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_T=GROUP_T, num_stages=cfg.num_stages),
                 tiles, z_ptr=z, stride_z=z.stride(0))
     return z
