@@ -77,16 +77,16 @@ def _state(z: torch.Tensor, with_entropy: bool):
     return m, s, w
 
 
-def _chunk_products(hidden, weight, lo, hi):
-    """The reference's products of one chunk: one fixed-shape GEMM per row tile, in hidden's dtype."""
-    return tiled_mm(hidden, weight[lo:hi].t())
+def _products(hidden, weight, lo, hi, width):
+    """The reference's products of vocab columns [lo, hi) (whole chunks from lo): one fixed-shape
+    GEMM per row tile and chunk, in hidden's dtype."""
+    return torch.cat([tiled_mm(hidden, weight[c:min(c + width, hi)].t()) for c in range(lo, hi, width)], -1)
 
 
 def torch_head_logits(hidden, weight, *, width) -> torch.Tensor:
     """[T, V_local] fp32: the products the chunk states are built from (before bias, temperature
     and the padding mask), chunk by chunk as torch_chunk_states makes them."""
-    return torch.cat([_chunk_products(hidden, weight, lo, min(lo + width, weight.shape[0])).float()
-                      for lo in range(0, weight.shape[0], width)], -1)
+    return _products(hidden, weight, 0, weight.shape[0], width).float()
 
 
 _GROUP_ELEMENTS = 1 << 24  # fp32 logits the reference holds at once (64 MiB), in whole chunks
@@ -110,7 +110,7 @@ def torch_chunk_states(hidden, weight, targets, *, vocab_start, width, real_voca
     for g0 in range(0, v, step):
         g1 = min(g0 + step, v)
         if logits is None:
-            z = torch.cat([_chunk_products(hidden, weight, lo, min(lo + width, g1)) for lo in range(g0, g1, width)], -1)
+            z = _products(hidden, weight, g0, g1, width)
         else:
             z = logits[:, g0:g1].to(hidden.dtype)
         if bias is not None:

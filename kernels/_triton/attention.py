@@ -225,21 +225,20 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     first = ((seq * tl.num_programs(1) + kv_head) * n_chunks).to(tl.int64) * GROUP + rows % GROUP
     keep = rows < GROUP
     cols = tl.arange(0, D)[None, :]
+    k, v, page_row = k + kv_head * stride_head, v + kv_head * stride_head, page_table + seq * stride_table
     if IN_REGISTERS:
         m_r = tl.full((ROWS,), float("-inf"), tl.float32)
         l_r = tl.zeros((ROWS,), tl.float32)
         acc_r = tl.zeros((ROWS, D), tl.float32)
         for chunk in range(0, n_need):
-            m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k + kv_head * stride_head, v + kv_head * stride_head,
-                                     page_table + seq * stride_table, page_size, stride_page, stride_slot, qk_scale,
-                                     ROWS, D, KV_BLOCK, KV_CHUNK)
+            m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot,
+                                     qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK)
             m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m, l, acc)
         _store_rows(out, lse, tok * n_heads + head, keep, m_r, l_r, acc_r, D)
         return
     for chunk in range(p, n_need, n_programs):
-        m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k + kv_head * stride_head, v + kv_head * stride_head,
-                                 page_table + seq * stride_table, page_size, stride_page, stride_slot, qk_scale,
-                                 ROWS, D, KV_BLOCK, KV_CHUNK)
+        m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot,
+                                 qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK)
         slot = first + chunk * GROUP
         tl.store(part_m + slot, m, mask=keep)
         tl.store(part_l + slot, l, mask=keep)

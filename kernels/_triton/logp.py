@@ -220,6 +220,17 @@ def _chunk_states_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr,
     tl.store(tz_ptr + rows, tz, mask=row_ok & (target >= lo) & (target < hi))
 
 
+@triton.jit
+def _chunk_tile(tile, chunk0, width, V_local, BLOCK_V: tl.constexpr):
+    """Tile `tile` of a grid laid out per vocab chunk from chunk0 on (cdiv(width, BLOCK_V) tiles a
+    chunk): (its chunk, the chunk's end, the tile's first column). c0 >= end: a trailing tile of a
+    short last chunk."""
+    tiles_per_chunk = tl.cdiv(width, BLOCK_V)
+    chunk = chunk0 + tile // tiles_per_chunk
+    lo = chunk * width
+    return chunk, tl.minimum(lo + width, V_local), lo + (tile % tiles_per_chunk) * BLOCK_V
+
+
 @triton.jit(do_not_specialize=["T"])
 def _head_logits_kernel(h_desc, w_desc, z_ptr, stride_z, T, H, V_local, width, UPCAST: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr):
@@ -228,9 +239,7 @@ def _head_logits_kernel(h_desc, w_desc, z_ptr, stride_z, T, H, V_local, width, U
     Nothing is folded, so no tile waits for another: a decode batch gets as many programs as tiles."""
     tiles_per_chunk = tl.cdiv(width, BLOCK_V)
     row_block, tile = _program_tile(tl.cdiv(T, BLOCK_T), tl.cdiv(V_local, width) * tiles_per_chunk, GROUP_T)
-    lo = (tile // tiles_per_chunk) * width
-    hi = tl.minimum(lo + width, V_local)
-    c0 = lo + (tile % tiles_per_chunk) * BLOCK_V
+    _, hi, c0 = _chunk_tile(tile, 0, width, V_local, BLOCK_V)
     if c0 >= hi:  # a trailing tile of a short last chunk
         return
     z = _dot_tile(h_desc, w_desc, row_block * BLOCK_T, c0, H, BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
@@ -250,12 +259,8 @@ def _dlogits_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, gs_ptr, gw_
     """dlogits of chunks [chunk0, chunk0 + n_slice_chunks) into out [T, their columns], one tile per
     program, tiles laid out per chunk as in the forward: dz = g_s p + g_w p (1 + z) + g_t [j ==
     target] with p = exp(z - m), then dlogits = dz / temperature (times the reciprocal, as z)."""
-    tiles_per_chunk = tl.cdiv(width, BLOCK_V)
-    row_block, tile = _program_tile(tl.cdiv(T, BLOCK_T), n_slice_chunks * tiles_per_chunk, GROUP_T)
-    chunk = chunk0 + tile // tiles_per_chunk
-    lo = chunk * width
-    hi = tl.minimum(lo + width, V_local)
-    c0 = lo + (tile % tiles_per_chunk) * BLOCK_V
+    row_block, tile = _program_tile(tl.cdiv(T, BLOCK_T), n_slice_chunks * tl.cdiv(width, BLOCK_V), GROUP_T)
+    chunk, hi, c0 = _chunk_tile(tile, chunk0, width, V_local, BLOCK_V)
     if c0 >= hi:  # a trailing tile of a short last chunk
         return
     rows, row_ok, inv_temp, target = _row_inputs(temp_ptr, tgt_ptr, row_block, T, vocab_start, HAS_TEMP, BLOCK_T)

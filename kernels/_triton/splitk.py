@@ -58,6 +58,17 @@ def _join(acc, j, h1, h2, h4, COUNT: tl.constexpr):
 
 
 @triton.jit
+def _step(x_desc, w_desc, off_m, off_n, kk, acc, WIDEN_OPERANDS: tl.constexpr):
+    """acc + x[off_m:, kk:kk + BLOCK_K] @ w[off_n:, kk:kk + BLOCK_K]^T, one BLOCK_K step."""
+    a = x_desc.load([off_m, kk])
+    b = w_desc.load([off_n, kk]).T
+    if WIDEN_OPERANDS:  # the interpreter multiplies bf16 tiles as raw bits (see matmul.py)
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
 def _subtree(x_desc, w_desc, off_m, off_n, K_CHUNK, K_PAD, first, COUNT: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN_OPERANDS: tl.constexpr, PER_CHUNK_LOOPS: tl.constexpr):
     """[BLOCK_M, BLOCK_N] fp32: the balanced tree over the products of the chunks first ..
@@ -70,8 +81,8 @@ def _subtree(x_desc, w_desc, off_m, off_n, K_CHUNK, K_PAD, first, COUNT: tl.cons
       the MMAs stay asynchronous inside each (the tree joins between loops);
     - otherwise one pipelined loop over every chunk's steps, the join at each chunk's last step:
       no pipeline restarts, but the join reads the accumulator inside the loop, so each MMA is
-      waited for (wgmma.wait_group 0). Eight unrolled loops would hold 4 tiles in registers and
-      spill; the sweep (benchmarks/sweep_rowtree.py) found each structure faster where it is used."""
+      waited for (wgmma.wait_group 0). Eight unrolled loops (a whole tree) ran slower: the sweep
+      (benchmarks/sweep_rowtree.py) found each structure faster where it is used."""
     steps = tl.cdiv(K_CHUNK, BLOCK_K)
     h1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # a finished chunk waiting for its sibling
     h2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # a finished pair
@@ -81,26 +92,14 @@ def _subtree(x_desc, w_desc, off_m, off_n, K_CHUNK, K_PAD, first, COUNT: tl.cons
         for j in tl.static_range(0, COUNT):
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ki in range(0, steps):
-                kk = (first + j) * K_PAD + ki * BLOCK_K
-                a = x_desc.load([off_m, kk])
-                b = w_desc.load([off_n, kk]).T
-                if WIDEN_OPERANDS:  # the interpreter multiplies bf16 tiles as raw bits (see matmul.py)
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc, input_precision="ieee")
+                acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + ki * BLOCK_K, acc, WIDEN_OPERANDS)
             h1, h2, h4, root = _join(acc, j, h1, h2, h4, COUNT)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in range(0, COUNT * steps):
             j = i // steps
             ki = i - j * steps
-            kk = (first + j) * K_PAD + ki * BLOCK_K
-            a = x_desc.load([off_m, kk])
-            b = w_desc.load([off_n, kk]).T
-            if WIDEN_OPERANDS:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+            acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + ki * BLOCK_K, acc, WIDEN_OPERANDS)
             if ki == steps - 1:  # chunk j is complete: join the tree
                 h1, h2, h4, root = _join(acc, j, h1, h2, h4, COUNT)
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
