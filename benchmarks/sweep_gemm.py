@@ -1,6 +1,7 @@
 """Tile-config sweep for the lockstep GEMM on the GPU at hand (bf16, Qwen3-8B projections).
 
-    python benchmarks/sweep_gemm.py
+    python benchmarks/sweep_gemm.py            # every M bucket
+    python benchmarks/sweep_gemm.py --m 128    # one M, each shape (and the LM head) on its own
 
 For each M bucket of kernels/_triton/matmul_configs.py, every candidate is timed on the four
 projection shapes at the bucket's representative Ms, as a ratio to cuBLAS measured alongside;
@@ -10,6 +11,7 @@ the table's rules allow (never BLOCK_K), so any of them keeps the bits; the GPU 
 from __future__ import annotations
 
 import statistics
+import sys
 
 import torch
 
@@ -28,23 +30,38 @@ BUCKETS = {  # bucket bound -> (Ms it is judged on, candidates)
 }
 
 
-def ratio(cfg: mc.GemmConfig, ms: list[int]) -> float:
-    original = list(mc.CONFIGS_16BIT)
-    mc.CONFIGS_16BIT[:] = [(None, cfg)]
+def ratio(cfg: mc.GemmConfig, ms: list[int], shapes=QWEN3_8B_PROJECTIONS) -> float:
+    original, wide = list(mc.CONFIGS_16BIT), list(mc.WIDE_CONFIGS_16BIT)
+    mc.CONFIGS_16BIT[:], mc.WIDE_CONFIGS_16BIT[:] = [(None, cfg)], []
     try:
         ratios = []
-        for _, k, n in QWEN3_8B_PROJECTIONS:
+        for _, k, n in shapes:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ratios.append(graph_ms_per_call(lambda: x @ w.t()) / graph_ms_per_call(lambda: K.linear(x, w)))
         return statistics.geometric_mean(ratios)
     finally:
-        mc.CONFIGS_16BIT[:] = original
+        mc.CONFIGS_16BIT[:], mc.WIDE_CONFIGS_16BIT[:] = original, wide
+
+
+def per_shape(m: int) -> None:
+    """Every bucket's candidates at one M, shape by shape (a table keyed by M alone takes one config
+    for all of them: this says what that costs each shape)."""
+    candidates = list(dict.fromkeys(c for _, cands in BUCKETS.values() for c in cands))
+    for shape in [*QWEN3_8B_PROJECTIONS, ("lm_head", 4096, 151936)]:
+        current = mc.config_for(m, torch.bfloat16, shape[2])
+        scored = [(ratio(cfg, [m], [shape]), cfg) for cfg in candidates]
+        now = next(r for r, cfg in scored if cfg == current) if current in candidates else ratio(current, [m], [shape])
+        r, best = max(scored, key=lambda t: t[0])
+        print(f"M={m} {shape[0]}: current {now:.3f}x cuBLAS {current}; best {r:.3f}x {best}", flush=True)
 
 
 def main() -> None:
     K.set_backend("triton")
+    if "--m" in sys.argv:
+        per_shape(int(sys.argv[sys.argv.index("--m") + 1]))
+        return
     for bound, (ms, candidates) in BUCKETS.items():
         scored = []
         for cfg in candidates:

@@ -401,7 +401,7 @@ def test_elementwise_custom_ops_pass_opcheck():
 
 # ---------------------------------------------------------------- GPU tier (Qwen3-8B shapes, bf16)
 
-GPU_M = [1, 8, 64, 256, 1024, 4096]
+GPU_M = [1, 8, 64, 128, 256, 1024, 4096]
 BF16 = torch.bfloat16
 
 
@@ -413,12 +413,14 @@ def _assert_row0_matches_alone(fn, inputs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 6144), (4096, 12288), (12288, 4096)])
+@pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 6144), (4096, 12288), (12288, 4096), (4096, 24576)])
 def test_gpu_linear_row_invariant_qwen3_8b(k, n):
-    from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, config_for
+    from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, WIDE_CONFIGS_16BIT, config_for
 
     assert {config_for(m, BF16) for m in GPU_M} == {cfg for _, cfg in CONFIGS_16BIT}, \
         "GPU_M must hit every tile bucket of the config table"
+    assert {config_for(m, BF16, 24576) for m in GPU_M} >= {cfg for *_, cfg in WIDE_CONFIGS_16BIT}, \
+        "GPU_M must hit every wide-N config at gate/up's width"
     x = torch.randn(max(GPU_M), k, device="cuda", dtype=BF16)
     w = (torch.randn(n, k, device="cuda") / k**0.5).to(BF16)
     _assert_row0_matches_alone(lambda rows: K.linear(rows, w), (x,))

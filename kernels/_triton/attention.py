@@ -53,12 +53,15 @@ KV_CHUNK = 256
 # sm_90 and compares their MMA shapes). Backward tiles set the order of the gradient sums, which is
 # fixed for a given table. Register counts below: ptxas for sm_90a, bf16, head_dim 128, group 4.
 TUNING = {
-    # forward over sequences with more than one query: FA2-style 128-row tiles (235 registers)
-    "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=3),
+    # forward over sequences with more than one query: FA2-style 128-row tiles; K/V loaded one block
+    # ahead into registers (PREFETCH; 255 registers, 8 B spilled): 1.16x the pipeliner's 3 stages on a
+    # 4k prompt (H200, benchmarks/sweep_attention.py, RESULTS.md)
+    "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True),
     # single-query sequences: one program per (sequence, kv head, chunk); rows are the group's query
     # heads, padded to MIN_ROWS (162 registers; memory-bound, so the padding costs no time); the
-    # last chunk program of a (sequence, kv head) to finish merges the chunk states
-    "decode": dict(MIN_ROWS=64, num_warps=4, num_stages=3),
+    # last chunk program of a (sequence, kv head) to finish merges the chunk states. The pipeliner's
+    # 3 stages: PREFETCH was 0.77-1.0x of them at every decode shape swept
+    "decode": dict(MIN_ROWS=64, num_warps=4, num_stages=3, PREFETCH=False),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles (204)
     "bwd_dkdv": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=8, num_stages=3),
     # one program per (sequence, kv head, BLOCK_Q rows), looping over BLOCK_KV-key blocks (183)
@@ -145,6 +148,51 @@ def _merge(m, l, acc, m_c, l_c, acc_c):
 
 
 @triton.jit
+def _block_kv(k, v, page_row, blk, hi, page_size, stride_page, stride_slot, KV_BLOCK: tl.constexpr, D: tl.constexpr):
+    key_pos = blk * KV_BLOCK + tl.arange(0, KV_BLOCK)
+    seen = key_pos <= hi
+    kb, vb = _load_kv(k, v, _kv_offsets(page_row, key_pos, page_size, stride_page, stride_slot, seen), seen, D)
+    return kb, vb, key_pos
+
+
+@triton.jit
+def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
+               ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
+               PREFETCH: tl.constexpr):
+    """State of rows `q` (positions `pos`, largest `hi`) over all their keys, merged chunk by chunk:
+    _chunk_state's folds and _merge's chunk merges in one software-pipelined loop over the blocks (a
+    loop per chunk would restart the pipeline at every chunk). The chunk state folds blocks in
+    increasing order from empty and merges into the running state at the chunk's last block (or
+    the last block that holds keys), in chunk order: the same operations in the same order.
+    PREFETCH (speed only): load each block's K/V one block ahead into registers, instead of leaving
+    the load schedule to Triton's pipeliner."""
+    m = tl.full((ROWS,), float("-inf"), tl.float32)
+    l = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, D), tl.float32)
+    m_c = tl.full((ROWS,), float("-inf"), tl.float32)
+    l_c = tl.zeros((ROWS, _SUM_COLS), tl.float32)
+    acc_c = tl.zeros((ROWS, D), tl.float32)
+    last = hi // KV_BLOCK
+    if PREFETCH:
+        kb_n, vb_n, key_n = _block_kv(k, v, page_row, 0, hi, page_size, stride_page, stride_slot, KV_BLOCK, D)
+    for blk in range(0, last + 1):
+        if PREFETCH:  # this block's K/V were loaded into registers during the last block; the next's now
+            kb, vb, key_pos = kb_n, vb_n, key_n
+            kb_n, vb_n, key_n = _block_kv(k, v, page_row, blk + 1, hi, page_size, stride_page, stride_slot,
+                                          KV_BLOCK, D)
+        else:  # Triton's pipeliner schedules the loads (num_stages)
+            kb, vb, key_pos = _block_kv(k, v, page_row, blk, hi, page_size, stride_page, stride_slot, KV_BLOCK, D)
+        m_c, l_c, acc_c = _fold_block(q, kb, vb, key_pos, pos, m_c, l_c, acc_c, qk_scale, KV_BLOCK)
+        if ((blk + 1) % (KV_CHUNK // KV_BLOCK) == 0) | (blk == last):
+            # all _SUM_COLS columns of l_c hold the same value, so the max reads it exactly
+            m, l, acc = _merge(m, l, acc, m_c, tl.max(l_c, 1), acc_c)
+            m_c = tl.full((ROWS,), float("-inf"), tl.float32)
+            l_c = tl.zeros((ROWS, _SUM_COLS), tl.float32)
+            acc_c = tl.zeros((ROWS, D), tl.float32)
+    return m, l, acc
+
+
+@triton.jit
 def _store_rows(out, lse, idx, keep, m, l, acc, D: tl.constexpr):
     """Normalise and store rows; lse (log2 units) is what the backward recomputes P from."""
     cols = tl.arange(0, D)[None, :]
@@ -158,7 +206,7 @@ def _store_rows(out, lse, idx, keep, m, l, acc, D: tl.constexpr):
 def _prefill_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stride_table, page_size,
                     stride_page, stride_head, stride_slot, n_heads, qk_scale, min_queries,
                     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                    KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr):
+                    KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr, PREFETCH: tl.constexpr):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest tiles (latest queries) start first
     kv_head, seq = tl.program_id(1), tl.program_id(2)
     n_queries = tl.load(q_count + seq)
@@ -172,28 +220,8 @@ def _prefill_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stri
     hi = tl.max(pos, 0)
     page_row = page_table + seq * stride_table
     k, v = k + kv_head * stride_head, v + kv_head * stride_head
-    m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_Q,), tl.float32)
-    acc = tl.zeros((BLOCK_Q, D), tl.float32)
-    # _chunk_state's folds and the chunk merges in one software-pipelined loop over the blocks (a
-    # loop per chunk would restart the pipeline at every chunk): the chunk state folds blocks in
-    # increasing order from empty and merges into the running state at the chunk's last block
-    # (or the last block that holds keys), in chunk order: the same operations in the same order.
-    m_c = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
-    l_c = tl.zeros((BLOCK_Q, _SUM_COLS), tl.float32)
-    acc_c = tl.zeros((BLOCK_Q, D), tl.float32)
-    last = hi // KV_BLOCK
-    for blk in range(0, last + 1):
-        key_pos = blk * KV_BLOCK + tl.arange(0, KV_BLOCK)
-        seen = key_pos <= hi
-        kb, vb = _load_kv(k, v, _kv_offsets(page_row, key_pos, page_size, stride_page, stride_slot, seen), seen, D)
-        m_c, l_c, acc_c = _fold_block(q_tile, kb, vb, key_pos, pos, m_c, l_c, acc_c, qk_scale, KV_BLOCK)
-        if ((blk + 1) % (KV_CHUNK // KV_BLOCK) == 0) | (blk == last):
-            # all _SUM_COLS columns of l_c hold the same value, so the max reads it exactly
-            m, l, acc = _merge(m, l, acc, m_c, tl.max(l_c, 1), acc_c)
-            m_c = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
-            l_c = tl.zeros((BLOCK_Q, _SUM_COLS), tl.float32)
-            acc_c = tl.zeros((BLOCK_Q, D), tl.float32)
+    m, l, acc = _row_state(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
+                           BLOCK_Q, D, KV_BLOCK, KV_CHUNK, PREFETCH)
     _store_rows(out, lse, idx, rows < n_queries * GROUP, m, l, acc, D)
 
 
@@ -202,7 +230,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          stride_table, page_size, stride_page, stride_head, stride_slot, n_heads, qk_scale,
                          n_chunks, GROUP: tl.constexpr, ROWS: tl.constexpr, MERGE_ROWS: tl.constexpr,
                          D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
-                         IN_REGISTERS: tl.constexpr):
+                         IN_REGISTERS: tl.constexpr, PREFETCH: tl.constexpr):
     """The states of the chunks p, p + P, p + 2P, ... (P programs per sequence and kv head) of one
     single-query sequence, for all query heads of one kv head; the last of the sequence's programs
     to finish merges every chunk's state in chunk order, as _prefill_kernel does in registers, and
@@ -227,14 +255,9 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     cols = tl.arange(0, D)[None, :]
     k, v, page_row = k + kv_head * stride_head, v + kv_head * stride_head, page_table + seq * stride_table
     if IN_REGISTERS:
-        m_r = tl.full((ROWS,), float("-inf"), tl.float32)
-        l_r = tl.zeros((ROWS,), tl.float32)
-        acc_r = tl.zeros((ROWS, D), tl.float32)
-        for chunk in range(0, n_need):
-            m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot,
-                                     qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK)
-            m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m, l, acc)
-        _store_rows(out, lse, tok * n_heads + head, keep, m_r, l_r, acc_r, D)
+        m, l, acc = _row_state(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
+                               ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH)
+        _store_rows(out, lse, tok * n_heads + head, keep, m, l, acc, D)
         return
     for chunk in range(p, n_need, n_programs):
         m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot,
@@ -447,8 +470,8 @@ def _forward(queries: _Queries, keys: _Keys, scale: float, decode: bool) -> tupl
         tiles = triton.cdiv(queries.max_count * group, cfg["BLOCK_Q"])
         _prefill_kernel[(tiles, keys.n_heads, n_seqs)](
             q, keys.k, keys.v, out, lse, *seq_args, 2 if decode else 1, GROUP=group, D=d,
-            BLOCK_Q=cfg["BLOCK_Q"], KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"])
+            BLOCK_Q=cfg["BLOCK_Q"], KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, PREFETCH=cfg["PREFETCH"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
 
@@ -475,7 +498,7 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
         q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, queries.begin, queries.count, queries.pos,
         *_page_args(keys), q.shape[1], qk_scale, n_chunks, GROUP=group, ROWS=decode_rows(group),
         MERGE_ROWS=triton.next_power_of_2(group), D=d,
-        KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, IN_REGISTERS=per_seq == 1,
+        KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, IN_REGISTERS=per_seq == 1, PREFETCH=cfg["PREFETCH"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

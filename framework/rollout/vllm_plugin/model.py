@@ -44,14 +44,32 @@ def rope_theta(config) -> float:
     return float(theta)
 
 
+class RopeTable(nn.Module):
+    """cos/sin of every position the engine can reach (0 .. max_model_len - 1), computed once at
+    build time by the side's rope_cos_sin op; a layer gathers its tokens' rows. The op is elementwise
+    in the position, so a row of the table holds the bits the op gives that position alone (what the
+    trainer computes per forward; tests/test_kernels_invariance.py): one gather per layer instead of
+    the op's chain of elementwise kernels in each of the model's layers. One module, shared by every
+    layer; its buffers are not part of the checkpoint."""
+
+    def __init__(self, ops: ModelOps, head_dim: int, theta: float, positions: int):
+        super().__init__()
+        cos, sin = ops.attention.rope_cos_sin(torch.arange(positions), head_dim, theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions], self.sin[positions]
+
+
 class LockstepDecoderLayer(nn.Module):
     """One vLLM Qwen3 decoder layer's submodules, computed by models/layer.py's decoder_layer."""
 
-    def __init__(self, layer: nn.Module, ops: ModelOps, theta: float):
+    def __init__(self, layer: nn.Module, ops: ModelOps, rope: RopeTable):
         super().__init__()
         self.self_attn, self.mlp = layer.self_attn, layer.mlp
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
-        self.ops, self.theta = ops, theta
+        self.ops, self.rope = ops, rope
         self.geometry = LayerGeometry(layer.self_attn.head_dim, layer.input_layernorm.variance_epsilon)
         _keep_weights(self)
 
@@ -73,7 +91,7 @@ class LockstepDecoderLayer(nn.Module):
         already added in (None), which the next layer and the final norm accept."""
         x = hidden_states if residual is None else hidden_states + residual
         d, attn = self.geometry.head_dim, self.self_attn.attn
-        cos, sin = self.ops.attention.rope_cos_sin(positions, d, self.theta)
+        cos, sin = self.rope(positions)
 
         def core(q, k, v):  # vLLM's Attention layer takes and returns [T, heads * d]
             return attn(q.flatten(-2), k.flatten(-2), v.flatten(-2)).unflatten(-1, (-1, d))
@@ -108,9 +126,10 @@ class LockstepQwen3ForCausalLM(Qwen3ForCausalLM):
                                       "R module needs lockstep's fixed-order TP reduction, not NCCL's")
         self.real_vocab_size = int(getattr(self.config, "lockstep_real_vocab_size", self.config.vocab_size))
         if ops.selection.attention or ops.selection.ffn:
-            theta = rope_theta(self.config)
+            rope = RopeTable(ops, self.model.layers[0].self_attn.head_dim, rope_theta(self.config),
+                             vllm_config.model_config.max_model_len)
             for i, layer in enumerate(self.model.layers):
-                self.model.layers[i] = LockstepDecoderLayer(layer, ops, theta)
+                self.model.layers[i] = LockstepDecoderLayer(layer, ops, rope)
         if ops.selection.any:
             self.model.norm = LockstepFinalNorm(self.model.norm, ops)
         self.lockstep_hidden: torch.Tensor | None = None
