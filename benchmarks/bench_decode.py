@@ -58,6 +58,8 @@ def decode_layer(b: int, ctx: int) -> list[tuple[str, float, float]]:
     w_lm = r(V, H)
     targets = torch.randint(0, V, (b,), device="cuda", generator=g)
     cos, sin = K.rope_cos_sin(pos, D, 1e6)
+    cos_t, sin_t = K.rope_cos_sin(torch.arange(4096, device="cuda"), D, 1e6)
+    k_new = r(b, NKV, D)
     gate, up, act = r(b, I), r(b, I), r(b, I)
     rows = []
     with K.using_backend("triton"):
@@ -68,8 +70,10 @@ def decode_layer(b: int, ctx: int) -> list[tuple[str, float, float]]:
             ("q/k/v projections (one launch)", lambda: K.linear_rows(x, wqkv, (NH * D, NKV * D, NKV * D)),
              lambda: F.linear(x, wqkv), 1),
             ("q/k norms", lambda: K.rms_norm(q, qn, 1e-6), lambda: F.rms_norm(q, (D,), qn, 1e-6), 2),
-            ("rope cos/sin + q/k rotation", lambda: (K.rope_cos_sin(pos, D, 1e6), K.apply_rope(q[:, None], cos[:, None], sin[:, None])),
-             lambda: q * cos[:, None] + q * sin[:, None], 2),
+            # the vLLM model gathers cos/sin from a table built once (rollout/vllm_plugin/model.py: RopeTable)
+            ("rope cos/sin gather + q/k rotation", lambda: (cos_t[pos], sin_t[pos], K.apply_rope(q[:, None], cos[:, None], sin[:, None]),
+                                                    K.apply_rope(k_new[:, None], cos[:, None], sin[:, None])),
+             lambda: (q * cos[:, None] + q * sin[:, None], k_new * cos[:, None] + k_new * sin[:, None]), 1),
             ("KV cache write", lambda: K.write_paged_kv(kn, vn, k_cache, v_cache, slots), kv_index_put, 1),
             ("attention (decode)", lambda: K.paged_attention(q, k_cache, v_cache, table, seq_lens, qsl, None, 1, ctx), sdpa, 1),
             ("o projection", lambda: K.row_parallel_linear(x, wo), lambda: F.linear(x, wo), 1),
