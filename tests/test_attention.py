@@ -289,10 +289,10 @@ POINTEE = {"lse": "fp32", "tickets": "i32", "part_m": "fp32", "part_l": "fp32", 
 types = lambda n: "fp32" if n == "qk_scale" else "i32" if n in INTS else "*" + POINTEE.get(n, "bf16")
 common = dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK)
 cfg = A.TUNING["prefill"]
-prefill = compile_sm90(A._prefill_kernel, types, dict(BLOCK_Q=cfg["BLOCK_Q"], PREFETCH=cfg["PREFETCH"], **common),
+prefill = compile_sm90(A._prefill_kernel, types, dict(BLOCK_Q=cfg["BLOCK_Q"], PREFETCH=cfg["PREFETCH"], FROM_LENS=True, **common),
                        cfg["num_warps"], cfg["num_stages"])
 cfg = A.TUNING["decode"]
-decode = [compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=A.decode_rows(4), MERGE_ROWS=4, IN_REGISTERS=r,
+decode = [compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=A.decode_rows(4), MERGE_ROWS=4, IN_REGISTERS=r, FROM_LENS=True,
                                                          PREFETCH=cfg["PREFETCH"], **common),
                        cfg["num_warps"], cfg["num_stages"]) for r in (False, True)]
 print(json.dumps([prefill, *decode]))
@@ -311,8 +311,9 @@ def test_decode_and_prefill_multiply_with_the_same_mma_instructions():
         assert d["spill_bytes"] == 0, d
     assert {version for version, _ in prefill["mma"]} == {"3"}, f"expected wgmma (MMA v3) only, got {prefill['mma']}"
     # the prefill tile holds the next block's K/V in registers (TUNING["prefill"]["PREFETCH"]): the
-    # measured winner spills 8 bytes; more would mean the table no longer fits the tile
-    assert prefill["spill_bytes"] <= 32, prefill
+    # measured winner spills 8 bytes on packed sequences and 68 on the paged layout (probed here);
+    # more would mean the table no longer fits the tile
+    assert prefill["spill_bytes"] <= 128, prefill
 
 
 def test_custom_ops(triton_backend):

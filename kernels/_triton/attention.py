@@ -86,6 +86,24 @@ def _rows(rows, q_begin, n_queries, kv_head, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _sequence(q_begin, q_count, seq, FROM_LENS: tl.constexpr):
+    """(first query row, query count) of sequence seq; FROM_LENS: both from query_start_loc."""
+    begin = tl.load(q_begin + seq)
+    if FROM_LENS:
+        return begin, tl.load(q_begin + seq + 1) - begin
+    return begin, tl.load(q_count + seq)
+
+
+@triton.jit
+def _query_pos(q_pos, tok, rows, seq, n_queries, GROUP: tl.constexpr, FROM_LENS: tl.constexpr):
+    """Absolute positions of the tile rows `rows` (query rows `tok`, as _rows gives them); FROM_LENS
+    (q_pos: keys per sequence): a sequence's queries are its last n_queries positions."""
+    if FROM_LENS:
+        return tl.load(q_pos + seq) - n_queries + tl.minimum(rows // GROUP, n_queries - 1)
+    return tl.load(q_pos + tok)
+
+
+@triton.jit
 def _kv_offsets(page_row, pos, page_size, stride_page, stride_slot, mask):
     """Element offsets (head 0) of the keys at positions `pos`: their page, from the sequence's row
     of the page table, then their slot in it."""
@@ -206,17 +224,18 @@ def _store_rows(out, lse, idx, keep, m, l, acc, D: tl.constexpr):
 def _prefill_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stride_table, page_size,
                     stride_page, stride_head, stride_slot, n_heads, qk_scale, min_queries,
                     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                    KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr, PREFETCH: tl.constexpr):
+                    KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr, PREFETCH: tl.constexpr,
+                    FROM_LENS: tl.constexpr):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest tiles (latest queries) start first
     kv_head, seq = tl.program_id(1), tl.program_id(2)
-    n_queries = tl.load(q_count + seq)
+    begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
     if (tile * BLOCK_Q >= n_queries * GROUP) | (n_queries < min_queries):
         return
     rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    tok, head = _rows(rows, tl.load(q_begin + seq), n_queries, kv_head, GROUP)
+    tok, head = _rows(rows, begin, n_queries, kv_head, GROUP)
     idx = tok * n_heads + head
     q_tile = tl.load(q + idx[:, None] * D + tl.arange(0, D)[None, :])
-    pos = tl.load(q_pos + tok)
+    pos = _query_pos(q_pos, tok, rows, seq, n_queries, GROUP, FROM_LENS)
     hi = tl.max(pos, 0)
     page_row = page_table + seq * stride_table
     k, v = k + kv_head * stride_head, v + kv_head * stride_head
@@ -230,7 +249,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          stride_table, page_size, stride_page, stride_head, stride_slot, n_heads, qk_scale,
                          n_chunks, GROUP: tl.constexpr, ROWS: tl.constexpr, MERGE_ROWS: tl.constexpr,
                          D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
-                         IN_REGISTERS: tl.constexpr, PREFETCH: tl.constexpr):
+                         IN_REGISTERS: tl.constexpr, PREFETCH: tl.constexpr, FROM_LENS: tl.constexpr):
     """The states of the chunks p, p + P, p + 2P, ... (P programs per sequence and kv head) of one
     single-query sequence, for all query heads of one kv head; the last of the sequence's programs
     to finish merges every chunk's state in chunk order, as _prefill_kernel does in registers, and
@@ -240,11 +259,12 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     order with the same operations, and no state goes through memory."""
     p, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_programs = tl.num_programs(0)
-    if tl.load(q_count + seq) != 1:
+    begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
+    if n_queries != 1:
         return
     rows = tl.arange(0, ROWS)
-    tok, head = _rows(rows, tl.load(q_begin + seq), 1, kv_head, GROUP)
-    pos = tl.load(q_pos + tok)
+    tok, head = _rows(rows, begin, 1, kv_head, GROUP)
+    pos = _query_pos(q_pos, tok, rows, seq, 1, GROUP, FROM_LENS)
     hi = tl.max(pos, 0)
     n_need = hi // KV_CHUNK + 1  # the chunks that hold keys
     if p >= n_need:
@@ -272,7 +292,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     if ticket + mine == n_need:  # this program stored the last of the chunk states
         # the merge is elementwise per row: only the group's real rows (a power of two >= GROUP)
         g = tl.arange(0, MERGE_ROWS)
-        tok_g, head_g = _rows(g, tl.load(q_begin + seq), 1, kv_head, GROUP)
+        tok_g, head_g = _rows(g, begin, 1, kv_head, GROUP)
         first_g = ((seq * tl.num_programs(1) + kv_head) * n_chunks).to(tl.int64) * GROUP + g % GROUP
         m_t = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
         l_t = tl.zeros((MERGE_ROWS,), tl.float32)
@@ -363,12 +383,17 @@ def _bwd_dq_kernel(q, k, v, do, lse, delta, dq, q_begin, q_count, q_pos, page_ta
 # ---- host side: where each sequence's queries and keys are -----------------------------------------
 
 class _Queries(NamedTuple):
-    """Queries packed as [N, H, D] (contiguous); sequence r owns rows begin[r] .. begin[r]+count[r]-1."""
+    """Queries packed as [N, H, D] (contiguous); sequence r owns rows begin[r] .. begin[r]+count[r]-1.
+    from_lens (the paged layout): `begin` is the [R+1] query_start_loc, `count` is None and `pos` the
+    [R] seq_lens; the forward kernels derive each sequence's count and its queries' positions (its
+    last count positions) from them, so a decode step computes no per-token tensor per layer."""
     q: torch.Tensor
-    begin: torch.Tensor  # [R] int32
-    count: torch.Tensor  # [R] int32
-    pos: torch.Tensor  # [N] int32, absolute position of every query
+    begin: torch.Tensor  # [R] int32 ([R+1] from_lens)
+    count: torch.Tensor | None  # [R] int32 (None from_lens)
+    pos: torch.Tensor  # [N] int32, absolute position of every query ([R] keys per sequence from_lens)
     max_count: int
+    n_seqs: int
+    from_lens: bool = False
 
 
 class _Keys(NamedTuple):
@@ -400,7 +425,7 @@ def _varlen_layout(q, k, v, cu_seqlens) -> tuple[_Queries, _Keys]:
     k, v = k.contiguous(), v.contiguous()
     keys = _Keys(k, v, begin[:, None].contiguous(), _LINEAR_PAGE, k.stride(0), k.stride(1), k.stride(0),
                  k.shape[1], count, max_count)
-    return _Queries(q.contiguous(), begin, count, pos, max_count), keys
+    return _Queries(q.contiguous(), begin, count, pos, max_count, count.numel()), keys
 
 
 def _padded_layout(q, k, v, q_pos) -> tuple[_Queries, _Keys]:
@@ -412,7 +437,7 @@ def _padded_layout(q, k, v, q_pos) -> tuple[_Queries, _Keys]:
     keys = _Keys(k, v, rows[:, None].contiguous(), _LINEAR_PAGE, k.stride(0), k.stride(2), k.stride(1),
                  k.shape[2], torch.full((b,), s, device=dev, dtype=torch.int32), s)
     queries = _Queries(q.reshape(b * tq, h, d).contiguous(), rows * tq,
-                       torch.full((b,), tq, device=dev, dtype=torch.int32), q_pos.reshape(-1).int(), tq)
+                       torch.full((b,), tq, device=dev, dtype=torch.int32), q_pos.reshape(-1).int(), tq, b)
     return queries, keys
 
 
@@ -420,16 +445,16 @@ def _paged_layout(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, m
                   max_seq_len) -> tuple[_Queries, _Keys]:
     """The maxima size the grids; given by the caller, they spare a device-to-host sync (and let
     the call be captured in a CUDA graph)."""
-    qsl, seq_lens = query_start_loc.int(), seq_lens.int()
-    begin, count = qsl[:-1], qsl[1:] - qsl[:-1]
+    qsl, seq_lens = query_start_loc.int().contiguous(), seq_lens.int().contiguous()
+    n_seqs = qsl.numel() - 1
     if max_query_len is None or max_seq_len is None:
-        max_query_len, max_seq_len = torch.stack([count.max(), seq_lens.max()]).tolist() if count.numel() else (0, 0)
+        count = qsl[1:] - qsl[:-1]
+        max_query_len, max_seq_len = torch.stack([count.max(), seq_lens.max()]).tolist() if n_seqs else (0, 0)
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
         raise ValueError("paged_attention: k_cache and v_cache must share strides with a contiguous last dim")
-    pos = _positions(begin, count, seq_lens - count, q.shape[0])
     keys = _Keys(k_cache, v_cache, block_table.int().contiguous(), k_cache.shape[2], k_cache.stride(0),
                  k_cache.stride(1), k_cache.stride(2), k_cache.shape[1], seq_lens, max_seq_len)
-    return _Queries(q.contiguous(), begin, count, pos, max_query_len), keys
+    return _Queries(q.contiguous(), qsl, None, seq_lens, max_query_len, n_seqs, from_lens=True), keys
 
 
 # ---- launchers -----------------------------------------------------------------------------------
@@ -445,6 +470,11 @@ def _check(queries: _Queries, keys: _Keys) -> None:
                          f"KV_CHUNK {KV_CHUNK}")
 
 
+def _query_args(queries: _Queries) -> tuple:
+    """q_begin, q_count, q_pos of the forward kernels (from_lens: q_count is unused)."""
+    return (queries.begin, queries.begin if queries.from_lens else queries.count, queries.pos)
+
+
 def _page_args(keys: _Keys) -> tuple:
     return (keys.table, keys.table.stride(0), keys.page_size, keys.stride_page, keys.stride_head, keys.stride_slot)
 
@@ -458,11 +488,11 @@ def _forward(queries: _Queries, keys: _Keys, scale: float, decode: bool) -> tupl
     n, h, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((n, h), device=q.device, dtype=torch.float32)
-    n_seqs = queries.count.numel()
+    n_seqs = queries.n_seqs
     if n == 0:
         return out, lse
     group, qk_scale = h // keys.n_heads, scale * _LOG2E
-    seq_args = (queries.begin, queries.count, queries.pos, *_page_args(keys), h, qk_scale)
+    seq_args = (*_query_args(queries), *_page_args(keys), h, qk_scale)
     if decode:
         _decode(queries, keys, out, lse, group, qk_scale)
     if queries.max_count > 1 or not decode:
@@ -471,7 +501,7 @@ def _forward(queries: _Queries, keys: _Keys, scale: float, decode: bool) -> tupl
         _prefill_kernel[(tiles, keys.n_heads, n_seqs)](
             q, keys.k, keys.v, out, lse, *seq_args, 2 if decode else 1, GROUP=group, D=d,
             BLOCK_Q=cfg["BLOCK_Q"], KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, PREFETCH=cfg["PREFETCH"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            FROM_LENS=queries.from_lens, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
 
@@ -482,7 +512,7 @@ def decode_rows(group: int) -> int:
 
 def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: float) -> None:
     q = queries.q
-    d, n_seqs = q.shape[2], queries.count.numel()
+    d, n_seqs = q.shape[2], queries.n_seqs
     cfg = TUNING["decode"]
     n_chunks = triton.cdiv(keys.max_count, KV_CHUNK)
     # programs per (sequence, kv head): enough to give every SM a few at small batch, at most one per chunk
@@ -492,18 +522,21 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     part_m = torch.empty(states, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((*states, d), device=q.device, dtype=torch.float32)
-    tickets = torch.zeros((n_seqs, keys.n_heads) if per_seq > 1 else (1,), device=q.device,
-                          dtype=torch.int32)  # a memset node in a graph
+    # ticket counters start at zero (a memset node in a graph); one program per sequence takes none
+    tickets = (torch.zeros((n_seqs, keys.n_heads), device=q.device, dtype=torch.int32) if per_seq > 1
+               else torch.empty((1,), device=q.device, dtype=torch.int32))
     _decode_chunk_kernel[(per_seq, keys.n_heads, n_seqs)](
-        q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, queries.begin, queries.count, queries.pos,
+        q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, *_query_args(queries),
         *_page_args(keys), q.shape[1], qk_scale, n_chunks, GROUP=group, ROWS=decode_rows(group),
         MERGE_ROWS=triton.next_power_of_2(group), D=d,
         KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, IN_REGISTERS=per_seq == 1, PREFETCH=cfg["PREFETCH"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        FROM_LENS=queries.from_lens, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):
     """(dq [N, H, D], dk, dv shaped like keys.k). Needs consecutive query positions per sequence."""
+    if queries.from_lens:
+        raise NotImplementedError("attention backward over a paged layout")
     q = queries.q
     n, h, d = q.shape
     grad = grad.reshape(n, h, d).contiguous()
@@ -512,7 +545,7 @@ def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(keys.k), torch.empty_like(keys.v)
     if n == 0:
         return dq, dk.zero_(), dv.zero_()
-    n_seqs, group, qk_scale = queries.count.numel(), h // keys.n_heads, scale * _LOG2E
+    n_seqs, group, qk_scale = queries.n_seqs, h // keys.n_heads, scale * _LOG2E
     seq_args = (queries.begin, queries.count, queries.pos, *_page_args(keys))
     cfg = TUNING["bwd_dkdv"]
     _bwd_dkdv_kernel[(triton.cdiv(keys.max_count, cfg["BLOCK_KV"]), keys.n_heads, n_seqs)](
