@@ -57,10 +57,11 @@ TUNING = {
     # ahead into registers (PREFETCH; 255 registers, 8 B spilled): 1.16x the pipeliner's 3 stages on a
     # 4k prompt (H200, benchmarks/sweep_attention.py, RESULTS.md)
     "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True),
-    # single-query sequences: one program per (sequence, kv head, chunk); rows are the group's query
-    # heads, padded to MIN_ROWS (162 registers; memory-bound, so the padding costs no time); the
-    # last chunk program of a (sequence, kv head) to finish merges the chunk states. The pipeliner's
-    # 3 stages: PREFETCH was 0.77-1.0x of them at every decode shape swept
+    # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
+    # group's query heads, padded to MIN_ROWS; the last of them to finish merges the chunk states
+    # (182 registers), or with P = 1 the one program merges in registers (232: two programs per SM,
+    # each block's q.k -> softmax -> P@V chain latency-bound). The pipeliner's 3 stages: PREFETCH
+    # was 0.77-1.0x of them at every decode shape swept
     "decode": dict(MIN_ROWS=64, num_warps=4, num_stages=3, PREFETCH=False),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles (204)
     "bwd_dkdv": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=8, num_stages=3),
