@@ -167,9 +167,9 @@ def test_tiny_cpu_with_vllm_strict_and_off(ray_session, tmp_path, capsys):
     from lockstep.framework.tracking.jsonl import read_jsonl
     from lockstep.launch import cli
 
-    assert cli.main(["run", "tiny-cpu", "rollout=vllm", "trainer.steps=3", f"hydra.run.dir={tmp_path / 'strict'}", *QUIET]) == 0
+    assert cli.main(["run", "tiny-cpu", "rollout=vllm", "trainer.steps=2", f"hydra.run.dir={tmp_path / 'strict'}", *QUIET]) == 0
     rows = read_jsonl(tmp_path / "strict" / "metrics.jsonl")
-    assert len(rows) == 3 and all(r["consistency/mismatch_count"] == 0 and r["consistency/numel"] > 0 for r in rows)
+    assert len(rows) == 2 and all(r["consistency/mismatch_count"] == 0 and r["consistency/numel"] > 0 for r in rows)
     capsys.readouterr()
     assert cli.main(["validate", str(tmp_path / "strict")]) == 0
     assert (tmp_path / "strict" / "readbacks" / "rollout-0-rank0.json").exists()
