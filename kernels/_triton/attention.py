@@ -139,6 +139,15 @@ def _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK: tl.const
 
 
 @triton.jit
+def _block_kv(k, v, page_row, blk, hi, page_size, stride_page, stride_slot, KV_BLOCK: tl.constexpr, D: tl.constexpr):
+    """K/V block `blk` of a sequence (keys past `hi` masked: not loaded) and its key positions."""
+    key_pos = blk * KV_BLOCK + tl.arange(0, KV_BLOCK)
+    seen = key_pos <= hi
+    kb, vb = _load_kv(k, v, _kv_offsets(page_row, key_pos, page_size, stride_page, stride_slot, seen), seen, D)
+    return kb, vb, key_pos
+
+
+@triton.jit
 def _chunk_state(q, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
                  ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr):
     """State of rows `q` (positions `pos`, largest `hi`) over one chunk of keys: from empty, blocks in
@@ -146,11 +155,9 @@ def _chunk_state(q, pos, hi, chunk, k, v, page_row, page_size, stride_page, stri
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS, _SUM_COLS), tl.float32)
     acc = tl.zeros((ROWS, D), tl.float32)
-    start = chunk * KV_CHUNK
-    for lo in range(start, tl.minimum(start + KV_CHUNK, hi + 1), KV_BLOCK):
-        key_pos = lo + tl.arange(0, KV_BLOCK)
-        seen = key_pos <= hi
-        kb, vb = _load_kv(k, v, _kv_offsets(page_row, key_pos, page_size, stride_page, stride_slot, seen), seen, D)
+    first = chunk * (KV_CHUNK // KV_BLOCK)
+    for blk in range(first, tl.minimum(first + KV_CHUNK // KV_BLOCK, hi // KV_BLOCK + 1)):
+        kb, vb, key_pos = _block_kv(k, v, page_row, blk, hi, page_size, stride_page, stride_slot, KV_BLOCK, D)
         m, l, acc = _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK)
     # all _SUM_COLS columns of l hold the same value, so the max reads it exactly
     return m, tl.max(l, 1), acc
@@ -164,14 +171,6 @@ def _merge(m, l, acc, m_c, l_c, acc_c):
     a = tl.math.exp2(m - m_new)
     b = tl.math.exp2(m_c - m_new)
     return m_new, l * a + l_c * b, acc * a[:, None] + acc_c * b[:, None]
-
-
-@triton.jit
-def _block_kv(k, v, page_row, blk, hi, page_size, stride_page, stride_slot, KV_BLOCK: tl.constexpr, D: tl.constexpr):
-    key_pos = blk * KV_BLOCK + tl.arange(0, KV_BLOCK)
-    seen = key_pos <= hi
-    kb, vb = _load_kv(k, v, _kv_offsets(page_row, key_pos, page_size, stride_page, stride_slot, seen), seen, D)
-    return kb, vb, key_pos
 
 
 @triton.jit
@@ -256,8 +255,8 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     to finish merges every chunk's state in chunk order, as _prefill_kernel does in registers, and
     stores the rows (one launch per decode step). P follows the batch, never the cache length, so
     a grid sized for the longest sequence (a CUDA graph's) costs no idle programs. IN_REGISTERS
-    (P = 1, a large batch): the one program merges each chunk's state as it finishes, in the same
-    order with the same operations, and no state goes through memory."""
+    (P = 1, a large batch): the one program walks the sequence as a prefill tile does (_row_state:
+    the same operations in the same order), and no state goes through memory."""
     p, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_programs = tl.num_programs(0)
     begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
