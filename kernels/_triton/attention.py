@@ -155,9 +155,10 @@ def _chunk_state(q, pos, hi, chunk, k, v, page_row, page_size, stride_page, stri
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS, _SUM_COLS), tl.float32)
     acc = tl.zeros((ROWS, D), tl.float32)
-    first = chunk * (KV_CHUNK // KV_BLOCK)
-    for blk in range(first, tl.minimum(first + KV_CHUNK // KV_BLOCK, hi // KV_BLOCK + 1)):
-        kb, vb, key_pos = _block_kv(k, v, page_row, blk, hi, page_size, stride_page, stride_slot, KV_BLOCK, D)
+    start = chunk * KV_CHUNK
+    for lo in range(start, tl.minimum(start + KV_CHUNK, hi + 1), KV_BLOCK):
+        kb, vb, key_pos = _block_kv(k, v, page_row, lo // KV_BLOCK, hi, page_size, stride_page, stride_slot,
+                                    KV_BLOCK, D)
         m, l, acc = _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK)
     # all _SUM_COLS columns of l hold the same value, so the max reads it exactly
     return m, tl.max(l, 1), acc
