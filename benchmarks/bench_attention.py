@@ -15,7 +15,7 @@ with `enable_gqa=True` as a user would call it; the row names the backend that w
 
 Ratios are SDPA time / lockstep time (throughput ratios).
 
-    python benchmarks/bench_attention.py
+    python benchmarks/bench_attention.py [--tables training,prefill,decode]
 """
 from __future__ import annotations
 
@@ -169,17 +169,26 @@ def decode_table() -> str:
                           "(contiguous cache), CUDA graphs", columns, rows)
 
 
-def run(out_md_lines: list[str]) -> None:
-    """Append the training, prefill and decode tables (markdown) to out_md_lines. CUDA only."""
+TABLES = {"training": training_table, "prefill": prefill_table, "decode": decode_table}
+
+
+def run(out_md_lines: list[str], tables=tuple(TABLES)) -> None:
+    """Append the chosen tables (markdown; all: training, prefill and decode) to out_md_lines. CUDA only."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench_attention needs a CUDA device")
+    unknown = set(tables) - set(TABLES)
+    if unknown:
+        raise ValueError(f"unknown attention tables {sorted(unknown)}; valid: {', '.join(TABLES)}")
     with K.using_backend("triton"):
-        out_md_lines.append(training_table())
-        out_md_lines.append(prefill_table())
-        out_md_lines.append(decode_table())
+        for name in tables:
+            out_md_lines.append(TABLES[name]())
 
 
 if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--tables", default=",".join(TABLES), help=f"comma-separated, of {', '.join(TABLES)}")
     lines: list[str] = []
-    run(lines)
+    run(lines, p.parse_args().tables.split(","))
     print("\n".join(lines))

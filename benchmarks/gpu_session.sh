@@ -21,7 +21,9 @@
 #               (decode, kernels and sweeps need only torch and triton: no carried wheels)
 #   kernels     benchmarks/kernels.py (all kernel tables)
 #   sweep_rowtree benchmarks/sweep_rowtree.py (row-parallel GEMM: tile x loop x split vs cuBLAS)
-#   sweep_attention benchmarks/sweep_attention.py (attention forward: load schedule x stages, bitwise-checked)
+#   attention   benchmarks/bench_attention.py (tables $ATTENTION_TABLES, default training,prefill,decode)
+#   sweep_attention benchmarks/sweep_attention.py (attention forward: tile, load schedule x stages, bitwise-checked;
+#               entries $SWEEP_ENTRIES, default decode,prefill)
 #   sweep_gemm_m benchmarks/sweep_gemm.py --m $GEMM_M (default 128: the decode batch), each shape on its own
 set -uo pipefail
 OUT=${OUT:-/tmp/lockstep-out}
@@ -86,8 +88,10 @@ for stage in "$@"; do
     decode)  link_lockstep; timeout 300 python3 benchmarks/bench_decode.py "$OUT/decode.md" > "$OUT/decode.log" 2>&1; tail -40 "$OUT/decode.log" ;;
     sweep_rowtree) link_lockstep; timeout 330 python3 benchmarks/sweep_rowtree.py "$OUT/sweep_rowtree.md" > "$OUT/sweep_rowtree.log" 2>&1
              tail -40 "$OUT/sweep_rowtree.log" ;;
-    sweep_attention) link_lockstep; timeout 330 python3 benchmarks/sweep_attention.py > "$OUT/sweep_attention.log" 2>&1
-             grep -E "BEST|DIFFER|failed" "$OUT/sweep_attention.log" ;;
+    sweep_attention) link_lockstep; timeout 330 python3 benchmarks/sweep_attention.py --entries "${SWEEP_ENTRIES:-decode,prefill}" \
+               > "$OUT/sweep_attention.log" 2>&1; grep -E "BEST|DIFFER|failed" "$OUT/sweep_attention.log" ;;
+    attention) link_lockstep; timeout 330 python3 benchmarks/bench_attention.py --tables "${ATTENTION_TABLES:-training,prefill,decode}" \
+               > "$OUT/attention.log" 2>&1; tail -40 "$OUT/attention.log" ;;
     sweep_gemm_m) link_lockstep; timeout 330 python3 benchmarks/sweep_gemm.py --m "${GEMM_M:-128}" > "$OUT/sweep_gemm_m.log" 2>&1
              tail -8 "$OUT/sweep_gemm_m.log" ;;
     kernels) link_lockstep; timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;

@@ -1,13 +1,14 @@
 """Tuning sweep for the Triton attention forward on the GPU at hand (bf16, Qwen3-8B heads).
 
-    python benchmarks/sweep_attention.py
+    python benchmarks/sweep_attention.py [--entries decode,prefill]
 
 Decode (one query per request, 16-token pages in random order) at the rollout workload's shape
 (batch 128, 600 keys) and at the decode table's corners, and a 4k-token prefill: every candidate
-of kernels/_triton/attention.py's TUNING entry (num_stages x PREFETCH, the K/V load schedule) is
-checked bitwise against the current table first, then timed with CUDA-graph replay. Tuning
-changes no bit (the MMA instructions are fixed by the tile's row count); a candidate that changes
-one is reported and never a winner.
+of kernels/_triton/attention.py's TUNING entry (num_stages x PREFETCH, the K/V load schedule; for
+decode also the swapped or padded tile and the programs per SM) is checked bitwise against the
+current table first, then timed with CUDA-graph replay. Tuning changes no bit (every candidate's
+dots are wgmma, whose elements do not depend on the tile's shape or operand order); a candidate
+that changes one is reported and never a winner.
 """
 from __future__ import annotations
 
@@ -24,8 +25,15 @@ HEADS, KV_HEADS, D, PAGE = 32, 8, 128, 16
 DECODE = [(128, 600), (1, 4096), (16, 4096), (64, 4096), (256, 1024)]
 PREFILL = [4096]
 # PREFETCH False: Triton's pipeliner schedules the K/V loads (num_stages); True: each block's K and V
-# are loaded into registers during the block before
-CANDIDATES = [dict(num_stages=s, PREFETCH=p) for p, stages in ((False, (2, 3, 4)), (True, (1, 3))) for s in stages]
+# are loaded into registers during the block before. Decode also: SWAP (the dots' operands swapped,
+# the heads as the MMA's N side, or the heads padded to 64 rows) and the programs per SM its grid aims for.
+CANDIDATES = {
+    "prefill": [dict(num_stages=s, PREFETCH=p) for p, stages in ((False, (2, 3, 4)), (True, (1, 3))) for s in stages],
+    # (swapped tiles with num_stages=1 faulted on the H200, Triton 3.6: the launcher refuses them)
+    "decode": [dict(SWAP=False, num_stages=3, PREFETCH=False, PROGRAMS_PER_SM=4)]
+    + [dict(SWAP=True, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (2, 3, 4) for n in (2, 4)]
+    + [dict(SWAP=True, num_stages=3, PREFETCH=True, PROGRAMS_PER_SM=4)],
+}
 
 
 def _case(batch: int, context: int, queries: int):
@@ -45,7 +53,7 @@ def sweep(entry: str, name: str, fn) -> None:
     want = fn()
     base = graph_ms_per_call(fn) * 1e3
     scored = []
-    for cand in CANDIDATES:
+    for cand in CANDIDATES[entry]:
         A.TUNING[entry] = {**default, **cand}
         try:
             same = torch.equal(fn(), want)
@@ -64,11 +72,18 @@ def sweep(entry: str, name: str, fn) -> None:
 
 
 def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--entries", default="decode,prefill", help="TUNING entries to sweep (decode, prefill)")
+    entries = p.parse_args().entries.split(",")
     with K.using_backend("triton"):
-        for batch, context in DECODE:
-            sweep("decode", f"batch {batch} x {context} keys", _case(batch, context, 1))
-        for tokens in PREFILL:
-            sweep("prefill", f"{tokens}-token prompt", _case(1, tokens, tokens))
+        if "decode" in entries:
+            for batch, context in DECODE:
+                sweep("decode", f"batch {batch} x {context} keys", _case(batch, context, 1))
+        if "prefill" in entries:
+            for tokens in PREFILL:
+                sweep("prefill", f"{tokens}-token prompt", _case(1, tokens, tokens))
 
 
 if __name__ == "__main__":

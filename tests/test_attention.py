@@ -59,6 +59,10 @@ def _use_triton(monkeypatch, small_blocks: bool):
             monkeypatch.setitem(tri.TUNING, name, {**tri.TUNING[name], **sizes})
     if os.environ.get("TRITON_INTERPRET") == "1":
         _interpreter_bf16_dot(monkeypatch)
+        if small_blocks:
+            # decode tiles swap their dots' operands at these head dims and blocks too (a GPU swaps
+            # them only where the M sides stay >= 64, i.e. wgmma: the GPU tier checks those bits)
+            monkeypatch.setattr(tri, "_WGMMA_M", 16)
     K.set_backend("triton")
     return tri
 
@@ -264,9 +268,11 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
     last = torch.tensor([[69]], device=TRITON_DEVICE)
     ref = K.varlen_attention(q, k, v, cu)
     decode = K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last)
-    # other tile heights and warp counts that keep every forward tile on wgmma (>= 64 rows) on a GPU
-    for prefill, decode_tiles in [(dict(BLOCK_Q=64, num_warps=4), dict(MIN_ROWS=128, num_warps=8)),
-                                  (dict(BLOCK_Q=256, num_stages=2), dict(MIN_ROWS=64, num_stages=2))]:
+    # other tile heights and warp counts that keep every forward tile on wgmma (>= 64 rows) on a GPU,
+    # decode tiles with and without their dots' operands swapped
+    for prefill, decode_tiles in [(dict(BLOCK_Q=64, num_warps=4), dict(SWAP=False, MIN_ROWS=128, num_warps=8)),
+                                  (dict(BLOCK_Q=256, num_stages=2), dict(SWAP=False, MIN_ROWS=64, num_stages=2)),
+                                  (dict(BLOCK_Q=128), dict(SWAP=True, num_stages=2))]:
         monkeypatch.setitem(triton_backend.TUNING, "prefill", {**triton_backend.TUNING["prefill"], **prefill})
         monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], **decode_tiles})
         assert torch.equal(K.varlen_attention(q, k, v, cu), ref)
@@ -274,7 +280,7 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
     # decode programs per sequence: one walking all 3 chunks, merging in registers (0 asks for none: at
     # least one), or one per chunk, merging the stored states
     for per_sm in (0, 64):
-        monkeypatch.setattr(triton_backend, "_DECODE_PROGRAMS_PER_SM", per_sm)
+        monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], "PROGRAMS_PER_SM": per_sm})
         assert torch.equal(K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last), decode), per_sm
 
 
@@ -292,24 +298,33 @@ cfg = A.TUNING["prefill"]
 prefill = compile_sm90(A._prefill_kernel, types, dict(BLOCK_Q=cfg["BLOCK_Q"], PREFETCH=cfg["PREFETCH"], FROM_LENS=True, **common),
                        cfg["num_warps"], cfg["num_stages"])
 cfg = A.TUNING["decode"]
-decode = [compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=A.decode_rows(4), MERGE_ROWS=4, IN_REGISTERS=r, FROM_LENS=True,
-                                                         PREFETCH=cfg["PREFETCH"], **common),
-                       cfg["num_warps"], cfg["num_stages"]) for r in (False, True)]
-print(json.dumps([prefill, *decode]))
+decode = {f"{'swapped' if swap else 'padded'}{' in registers' if r else ''}":
+          compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=16 if swap else cfg["MIN_ROWS"], MERGE_ROWS=4,
+                       IN_REGISTERS=r, FROM_LENS=True, PREFETCH=cfg["PREFETCH"], SWAP=swap, **common),
+                       cfg["num_warps"], cfg["num_stages"]) for swap in (True, False) for r in (False, True)}
+print(json.dumps([prefill, decode]))
 """
 
 
-def test_decode_and_prefill_multiply_with_the_same_mma_instructions():
+def test_decode_and_prefill_multiply_with_wgmma():
     """The GPU premise of the bitwise contract, checked without a GPU: compiled for sm_90 (bf16,
-    Qwen3-8B heads), the decode and prefill kernels use the same MMA instruction shapes (wgmma), so
-    a row's q.k, P@V and row-sum dots are the same instructions in both; decode does not spill."""
+    Qwen3-8B heads), every dot of the prefill and decode kernels is wgmma (MMA v3): decode tiles with
+    the group's heads padded to 64 rows run the prefill's instruction shapes, and swapped decode
+    tiles (the heads as the N side) run the same instruction with N = 16, whose elements are the
+    same sums (checked on the GPU: test_gpu_decode_tiles_give_the_training_bits). No decode
+    kernel spills, and the swapped ones hold far fewer registers (more programs per SM)."""
     from sm90 import probe
 
-    prefill, decode, decode_in_registers = probe(_MMA_PROBE)
-    for d in (decode, decode_in_registers):
-        assert prefill["mma"] == d["mma"], f"prefill MMAs {prefill['mma']} != decode MMAs {d['mma']}"
-        assert d["spill_bytes"] == 0, d
+    prefill, decode = probe(_MMA_PROBE)
     assert {version for version, _ in prefill["mma"]} == {"3"}, f"expected wgmma (MMA v3) only, got {prefill['mma']}"
+    for name, d in decode.items():
+        assert {version for version, _ in d["mma"]} == {"3"}, f"decode ({name}) MMAs {d['mma']}"
+        assert d["spill_bytes"] == 0, (name, d)
+    for name in ("padded", "padded in registers"):
+        assert decode[name]["mma"] == prefill["mma"], f"prefill MMAs {prefill['mma']} != decode ({name}) {decode[name]['mma']}"
+    for name in ("swapped", "swapped in registers"):
+        assert decode[name]["mma"] == [["3", "[16, 16, 16]"]], (name, decode[name])
+        assert decode[name]["regs"] <= 160, (name, decode[name])
     # the prefill tile holds the next block's K/V in registers (TUNING["prefill"]["PREFETCH"]): the
     # measured winner spills 8 bytes on packed sequences and 68 on the paged layout (probed here);
     # more would mean the table no longer fits the tile
@@ -399,3 +414,33 @@ def test_gpu_accuracy_and_deterministic_backward(gpu_triton):
     for name, a, r in zip("qkv", first, refs):
         rel = ((a.double() - r).norm() / r.norm()).item()
         assert rel < 2e-2, f"d{name}: relative error {rel:.3g} against float64"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("swap", [True, False], ids=["swapped", "padded"])
+@pytest.mark.parametrize("per_sm", [4, 0], ids=["split", "one-program"])
+def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, per_sm):
+    """Decode tiles at Qwen3-8B heads (bf16, head_dim 128, group 4), with the dots' operands swapped
+    (the heads as wgmma's N side) or the heads padded to 64 rows, a sequence's chunks split across
+    programs (merged through memory) or walked by one program (merged in registers): each decoded
+    token's output equals its training output, bit for bit, at positions across blocks and chunks."""
+    from lockstep.kernels._triton import attention as A
+
+    monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "SWAP": swap, "PROGRAMS_PER_SM": per_sm})
+    assert A.decode_swapped(128) == swap
+    lens = [1500, 700, 257, 64]
+    q, k, v, cu = _packed(lens, 32, 8, 128, torch.bfloat16, "cuda")
+    train = K.varlen_attention(q, k, v, cu)
+    gen = torch.Generator().manual_seed(3)
+    picks = [(r, p) for r, n in enumerate(lens) for p in {0, n - 1, 63, 64, 255, 256, *torch.randint(0, n, (6,), generator=gen).tolist()}
+             if p < n]
+    width = max(lens)
+    k_b, v_b = k.new_zeros(len(picks), width, 8, 128), v.new_zeros(len(picks), width, 8, 128)
+    for i, (r, p) in enumerate(picks):
+        k_b[i, : p + 1], v_b[i, : p + 1] = k[cu[r]: cu[r] + p + 1], v[cu[r]: cu[r] + p + 1]
+    rows = torch.tensor([int(cu[r]) + p for r, p in picks], device="cuda")
+    pos = torch.tensor([[p] for _, p in picks], device="cuda")
+    out = K.causal_attention(q[rows][:, None], k_b, v_b, pos)[:, 0]
+    differ = (out != train[rows]).flatten(1).any(1)
+    assert not differ.any(), f"decoded tokens differ from training at (sequence, position) " \
+                             f"{[picks[i] for i in differ.nonzero().flatten().tolist()]}"

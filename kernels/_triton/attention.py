@@ -20,7 +20,10 @@ Numerics (the bitwise contract):
 Rows: a program handles the query heads that share one kv head as rows of its tile, in
 (query, head) order, so each K/V block is loaded once per group (GQA packing, decode included).
 Rows past the end of a sequence repeat its last query: their loads stay in bounds and they are
-never stored.
+never stored. A decode tile (one query, the group's few heads) runs its dots with the operands
+swapped, the key block and head dim as the MMA's M side and the heads as its N side (16 wide),
+instead of padding the heads to the 64 rows a wgmma needs as M: on sm_90 both are wgmma, whose
+elements are the same sums either way (checked on the GPU), at half the registers.
 
 Entry points are torch custom ops (lockstep::causal_attention, lockstep::varlen_attention,
 lockstep::paged_attention, and the two backward ops) with fake implementations and, for the
@@ -58,11 +61,13 @@ TUNING = {
     # 4k prompt (H200, benchmarks/sweep_attention.py, RESULTS.md)
     "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
-    # group's query heads, padded to MIN_ROWS; the last of them to finish merges the chunk states
-    # (182 registers), or with P = 1 the one program merges in registers (232: two programs per SM,
-    # each block's q.k -> softmax -> P@V chain latency-bound). The pipeliner's 3 stages: PREFETCH
-    # was 0.77-1.0x of them at every decode shape swept
-    "decode": dict(MIN_ROWS=64, num_warps=4, num_stages=3, PREFETCH=False),
+    # group's query heads; the last of them to finish merges the chunk states, or with P = 1 the one
+    # program merges in registers. SWAP: the dots run with their operands swapped, the heads as the
+    # MMA's N side padded to 16 (where head_dim and KV_BLOCK keep every dot on wgmma); else the heads
+    # are the M side, padded to MIN_ROWS (232 registers at P = 1: two programs per SM, each block's
+    # q.k -> softmax -> P@V chain latency-bound). PROGRAMS_PER_SM: the grid aims for that many
+    # programs per SM (a sequence's chunks split across up to that many programs at small batch)
+    "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=4, num_warps=4, num_stages=3, PREFETCH=False),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles (204)
     "bwd_dkdv": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=8, num_stages=3),
     # one program per (sequence, kv head, BLOCK_Q rows), looping over BLOCK_KV-key blocks (183)
@@ -70,9 +75,12 @@ TUNING = {
 }
 # ===================================================================================================
 
-_DECODE_PROGRAMS_PER_SM = 4  # decode grid: programs per SM it aims for (speed only)
 _LINEAR_PAGE = 1 << 30  # page size that makes a packed or padded K/V one page per sequence
 _SUM_COLS = tl.constexpr(16)  # width of the ones matrix that computes row sums (the tl.dot minimum)
+# sm_90 multiplies a tile with wgmma when its M side is at least this (one warpgroup's 64 rows), with
+# mma.sync below it: a different instruction (tests/test_attention.py compares what each kernel runs)
+_WGMMA_M = 64
+_SUM_ROWS = tl.constexpr(_WGMMA_M)  # swapped tiles: height of the ones matrix (the row-sum dot's M side)
 _LOG2E = 1.4426950408889634
 
 
@@ -121,20 +129,79 @@ def _load_kv(k, v, offsets, mask, D: tl.constexpr):
 
 
 @triton.jit
-def _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK: tl.constexpr):
-    """Fold one key block into the state (m: row max in log2 units; l: row sums, as _SUM_COLS equal
-    columns; acc: unnormalised output)."""
-    s = tl.dot(q, tl.trans(kb), input_precision="ieee") * qk_scale
-    s = tl.where(key_pos[None, :] <= pos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
+def _col(x, SWAP: tl.constexpr):
+    """A per-row vector against a state tile: [ROWS, 1] (rows down dim 0), or with SWAP [1, ROWS]."""
+    if SWAP:
+        out = x[None, :]
+    else:
+        out = x[:, None]
+    return out
+
+
+@triton.jit
+def _row_max(x, SWAP: tl.constexpr):
+    """Each row's maximum over a state tile (rows along dim 0, or with SWAP dim 1): exact in any order."""
+    if SWAP:
+        out = tl.max(x, 0)
+    else:
+        out = tl.max(x, 1)
+    return out
+
+
+@triton.jit
+def _tile_offsets(idx, D: tl.constexpr, SWAP: tl.constexpr):
+    """Element offsets of rows idx of a [rows, D] tensor as a [ROWS, D] tile, or with SWAP [D, ROWS]."""
+    cols = tl.arange(0, D)
+    if SWAP:
+        out = idx[None, :] * D + cols[:, None]
+    else:
+        out = idx[:, None] * D + cols[None, :]
+    return out
+
+
+@triton.jit
+def _empty_state(ROWS: tl.constexpr, D: tl.constexpr, SWAP: tl.constexpr):
+    """An empty chunk state: m = -inf; l (row sums) as the tile their dot accumulates into, every
+    column equal ([ROWS, _SUM_COLS]), or with SWAP every row equal ([_SUM_ROWS, ROWS]); acc = 0."""
+    m = tl.full((ROWS,), float("-inf"), tl.float32)
+    if SWAP:
+        l, acc = tl.zeros((_SUM_ROWS, ROWS), tl.float32), tl.zeros((D, ROWS), tl.float32)
+    else:
+        l, acc = tl.zeros((ROWS, _SUM_COLS), tl.float32), tl.zeros((ROWS, D), tl.float32)
+    return m, l, acc
+
+
+@triton.jit
+def _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK: tl.constexpr, SWAP: tl.constexpr):
+    """Fold one key block into the state (m: row max in log2 units; l: row sums, as a tile of
+    equal columns; acc: unnormalised output).
+    SWAP (decode tiles): the same dots with their operands swapped, S^T = K Q^T, l^T = 1 P^T and
+    O^T = V^T P^T (q holds Q^T; every state tile is transposed): the key block, the ones and the
+    head dim are the MMA's M side and a decode tile's few query rows its N side, instead of rows
+    padded to the M side's 64. An element is the same sum of the same products over the same k
+    steps either way (the GPU premise, checked by tests/test_attention.py::
+    test_gpu_decode_tiles_give_the_training_bits)."""
+    if SWAP:
+        s = tl.dot(kb, q, input_precision="ieee")
+        seen = key_pos[:, None] <= pos[None, :]
+    else:
+        s = tl.dot(q, tl.trans(kb), input_precision="ieee")
+        seen = key_pos[None, :] <= pos[:, None]
+    s = tl.where(seen, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, _row_max(s, SWAP))
     # A row that has seen no key of this chunk yet has m_new = -inf; measuring from 0 keeps its
     # state exactly empty (l = 0, acc = 0) instead of NaN (exp2(-inf - -inf)).
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m - m_ref)
-    p = tl.math.exp2(s - m_ref[:, None]).to(vb.dtype)
-    ones = tl.full((KV_BLOCK, _SUM_COLS), 1.0, tl.float32).to(vb.dtype)
-    l = tl.dot(p, ones, l * alpha[:, None], input_precision="ieee")
-    acc = tl.dot(p, vb, acc * alpha[:, None], input_precision="ieee")
+    alpha = _col(tl.math.exp2(m - m_ref), SWAP)
+    p = tl.math.exp2(s - _col(m_ref, SWAP)).to(vb.dtype)
+    if SWAP:
+        ones = tl.full((_SUM_ROWS, KV_BLOCK), 1.0, tl.float32).to(vb.dtype)
+        l = tl.dot(ones, p, l * alpha, input_precision="ieee")
+        acc = tl.dot(tl.trans(vb), p, acc * alpha, input_precision="ieee")
+    else:
+        ones = tl.full((KV_BLOCK, _SUM_COLS), 1.0, tl.float32).to(vb.dtype)
+        l = tl.dot(p, ones, l * alpha, input_precision="ieee")
+        acc = tl.dot(p, vb, acc * alpha, input_precision="ieee")
     return m_new, l, acc
 
 
@@ -149,35 +216,34 @@ def _block_kv(k, v, page_row, blk, hi, page_size, stride_page, stride_slot, KV_B
 
 @triton.jit
 def _chunk_state(q, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
-                 ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr):
+                 ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
+                 SWAP: tl.constexpr):
     """State of rows `q` (positions `pos`, largest `hi`) over one chunk of keys: from empty, blocks in
     increasing order. Keys past `hi` are neither visited nor loaded."""
-    m = tl.full((ROWS,), float("-inf"), tl.float32)
-    l = tl.zeros((ROWS, _SUM_COLS), tl.float32)
-    acc = tl.zeros((ROWS, D), tl.float32)
+    m, l, acc = _empty_state(ROWS, D, SWAP)
     start = chunk * KV_CHUNK
     for lo in range(start, tl.minimum(start + KV_CHUNK, hi + 1), KV_BLOCK):
         kb, vb, key_pos = _block_kv(k, v, page_row, lo // KV_BLOCK, hi, page_size, stride_page, stride_slot,
                                     KV_BLOCK, D)
-        m, l, acc = _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK)
-    # all _SUM_COLS columns of l hold the same value, so the max reads it exactly
-    return m, tl.max(l, 1), acc
+        m, l, acc = _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK, SWAP)
+    # every column (SWAP: row) of l holds the same value, so the max reads it exactly
+    return m, _row_max(l, SWAP), acc
 
 
 @triton.jit
-def _merge(m, l, acc, m_c, l_c, acc_c):
+def _merge(m, l, acc, m_c, l_c, acc_c, SWAP: tl.constexpr):
     """Merge a chunk state into the running state. The running state is empty only before chunk 0,
     which every row sees, so the two maxima are never both -inf."""
     m_new = tl.maximum(m, m_c)
     a = tl.math.exp2(m - m_new)
     b = tl.math.exp2(m_c - m_new)
-    return m_new, l * a + l_c * b, acc * a[:, None] + acc_c * b[:, None]
+    return m_new, l * a + l_c * b, acc * _col(a, SWAP) + acc_c * _col(b, SWAP)
 
 
 @triton.jit
 def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
                ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
-               PREFETCH: tl.constexpr):
+               PREFETCH: tl.constexpr, SWAP: tl.constexpr):
     """State of rows `q` (positions `pos`, largest `hi`) over all their keys, merged chunk by chunk:
     _chunk_state's folds and _merge's chunk merges in one software-pipelined loop over the blocks (a
     loop per chunk would restart the pipeline at every chunk). The chunk state folds blocks in
@@ -185,12 +251,9 @@ def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, 
     the last block that holds keys), in chunk order: the same operations in the same order.
     PREFETCH (speed only): load each block's K/V one block ahead into registers, instead of leaving
     the load schedule to Triton's pipeliner."""
-    m = tl.full((ROWS,), float("-inf"), tl.float32)
+    m, l, acc = _empty_state(ROWS, D, SWAP)
     l = tl.zeros((ROWS,), tl.float32)
-    acc = tl.zeros((ROWS, D), tl.float32)
-    m_c = tl.full((ROWS,), float("-inf"), tl.float32)
-    l_c = tl.zeros((ROWS, _SUM_COLS), tl.float32)
-    acc_c = tl.zeros((ROWS, D), tl.float32)
+    m_c, l_c, acc_c = _empty_state(ROWS, D, SWAP)
     last = hi // KV_BLOCK
     if PREFETCH:
         kb_n, vb_n, key_n = _block_kv(k, v, page_row, 0, hi, page_size, stride_page, stride_slot, KV_BLOCK, D)
@@ -201,21 +264,19 @@ def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, 
                                           KV_BLOCK, D)
         else:  # Triton's pipeliner schedules the loads (num_stages)
             kb, vb, key_pos = _block_kv(k, v, page_row, blk, hi, page_size, stride_page, stride_slot, KV_BLOCK, D)
-        m_c, l_c, acc_c = _fold_block(q, kb, vb, key_pos, pos, m_c, l_c, acc_c, qk_scale, KV_BLOCK)
+        m_c, l_c, acc_c = _fold_block(q, kb, vb, key_pos, pos, m_c, l_c, acc_c, qk_scale, KV_BLOCK, SWAP)
         if ((blk + 1) % (KV_CHUNK // KV_BLOCK) == 0) | (blk == last):
-            # all _SUM_COLS columns of l_c hold the same value, so the max reads it exactly
-            m, l, acc = _merge(m, l, acc, m_c, tl.max(l_c, 1), acc_c)
-            m_c = tl.full((ROWS,), float("-inf"), tl.float32)
-            l_c = tl.zeros((ROWS, _SUM_COLS), tl.float32)
-            acc_c = tl.zeros((ROWS, D), tl.float32)
+            # every column (SWAP: row) of l_c holds the same value, so the max reads it exactly
+            m, l, acc = _merge(m, l, acc, m_c, _row_max(l_c, SWAP), acc_c, SWAP)
+            m_c, l_c, acc_c = _empty_state(ROWS, D, SWAP)
     return m, l, acc
 
 
 @triton.jit
-def _store_rows(out, lse, idx, keep, m, l, acc, D: tl.constexpr):
+def _store_rows(out, lse, idx, keep, m, l, acc, D: tl.constexpr, SWAP: tl.constexpr):
     """Normalise and store rows; lse (log2 units) is what the backward recomputes P from."""
-    cols = tl.arange(0, D)[None, :]
-    tl.store(out + idx[:, None] * D + cols, (acc / l[:, None]).to(out.dtype.element_ty), mask=keep[:, None])
+    tl.store(out + _tile_offsets(idx, D, SWAP), (acc / _col(l, SWAP)).to(out.dtype.element_ty),
+             mask=_col(keep, SWAP))
     tl.store(lse + idx, m + tl.math.log2(l), mask=keep)
 
 
@@ -241,8 +302,8 @@ def _prefill_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stri
     page_row = page_table + seq * stride_table
     k, v = k + kv_head * stride_head, v + kv_head * stride_head
     m, l, acc = _row_state(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
-                           BLOCK_Q, D, KV_BLOCK, KV_CHUNK, PREFETCH)
-    _store_rows(out, lse, idx, rows < n_queries * GROUP, m, l, acc, D)
+                           BLOCK_Q, D, KV_BLOCK, KV_CHUNK, PREFETCH, False)
+    _store_rows(out, lse, idx, rows < n_queries * GROUP, m, l, acc, D, False)
 
 
 @triton.jit
@@ -250,14 +311,17 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          stride_table, page_size, stride_page, stride_head, stride_slot, n_heads, qk_scale,
                          n_chunks, GROUP: tl.constexpr, ROWS: tl.constexpr, MERGE_ROWS: tl.constexpr,
                          D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
-                         IN_REGISTERS: tl.constexpr, PREFETCH: tl.constexpr, FROM_LENS: tl.constexpr):
+                         IN_REGISTERS: tl.constexpr, PREFETCH: tl.constexpr, FROM_LENS: tl.constexpr,
+                         SWAP: tl.constexpr):
     """The states of the chunks p, p + P, p + 2P, ... (P programs per sequence and kv head) of one
     single-query sequence, for all query heads of one kv head; the last of the sequence's programs
     to finish merges every chunk's state in chunk order, as _prefill_kernel does in registers, and
     stores the rows (one launch per decode step). P follows the batch, never the cache length, so
     a grid sized for the longest sequence (a CUDA graph's) costs no idle programs. IN_REGISTERS
     (P = 1, a large batch): the one program walks the sequence as a prefill tile does (_row_state:
-    the same operations in the same order), and no state goes through memory."""
+    the same operations in the same order), and no state goes through memory. SWAP: the tile's
+    dots run with their operands swapped (_fold_block): the group's heads are the N side of the
+    MMA, padded to ROWS = 16 rather than 64."""
     p, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_programs = tl.num_programs(0)
     begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
@@ -270,23 +334,22 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     n_need = hi // KV_CHUNK + 1  # the chunks that hold keys
     if p >= n_need:
         return
-    q_tile = tl.load(q + (tok * n_heads + head)[:, None] * D + tl.arange(0, D)[None, :])
+    q_tile = tl.load(q + _tile_offsets(tok * n_heads + head, D, SWAP))
     first = ((seq * tl.num_programs(1) + kv_head) * n_chunks).to(tl.int64) * GROUP + rows % GROUP
     keep = rows < GROUP
-    cols = tl.arange(0, D)[None, :]
     k, v, page_row = k + kv_head * stride_head, v + kv_head * stride_head, page_table + seq * stride_table
     if IN_REGISTERS:
         m, l, acc = _row_state(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
-                               ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH)
-        _store_rows(out, lse, tok * n_heads + head, keep, m, l, acc, D)
+                               ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH, SWAP)
+        _store_rows(out, lse, tok * n_heads + head, keep, m, l, acc, D, SWAP)
         return
     for chunk in range(p, n_need, n_programs):
         m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot,
-                                 qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK)
+                                 qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP)
         slot = first + chunk * GROUP
         tl.store(part_m + slot, m, mask=keep)
         tl.store(part_l + slot, l, mask=keep)
-        tl.store(part_acc + slot[:, None] * D + cols, acc, mask=keep[:, None])
+        tl.store(part_acc + _tile_offsets(slot, D, SWAP), acc, mask=_col(keep, SWAP))
     mine = (n_need - 1 - p) // n_programs + 1
     tl.debug_barrier()  # every thread's stores precede the release
     ticket = tl.atomic_add(tickets + seq * tl.num_programs(1) + kv_head, mine, sem="acq_rel", scope="gpu")
@@ -300,10 +363,10 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
         acc_t = tl.zeros((MERGE_ROWS, D), tl.float32)
         for c in range(0, n_need):  # written by other programs: read from L2 (.cg)
             at = first_g + c * GROUP
-            acc_c = tl.load(part_acc + at[:, None] * D + cols, cache_modifier=".cg")
+            acc_c = tl.load(part_acc + _tile_offsets(at, D, False), cache_modifier=".cg")
             m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, tl.load(part_m + at, cache_modifier=".cg"),
-                                     tl.load(part_l + at, cache_modifier=".cg"), acc_c)
-        _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D)
+                                     tl.load(part_l + at, cache_modifier=".cg"), acc_c, False)
+        _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False)
 
 
 # ---- backward kernels (FA2 style; deterministic: every sum runs in a fixed loop, no atomics) ------
@@ -506,18 +569,30 @@ def _forward(queries: _Queries, keys: _Keys, scale: float, decode: bool) -> tupl
     return out, lse
 
 
-def decode_rows(group: int) -> int:
-    """Rows of a decode tile: the group's query heads, padded."""
-    return max(TUNING["decode"]["MIN_ROWS"], triton.next_power_of_2(group))
+def decode_swapped(head_dim: int) -> bool:
+    """Whether decode tiles run their dots with the operands swapped (_fold_block's SWAP): as the
+    table says, where every M side of them (the key block, the head dim) keeps them on wgmma."""
+    return bool(TUNING["decode"]["SWAP"]) and min(head_dim, KV_BLOCK) >= _WGMMA_M
+
+
+def decode_rows(group: int, head_dim: int) -> int:
+    """Rows of a decode tile: the group's query heads, padded to the tl.dot minimum as the N side of
+    swapped dots, else to the M side's MIN_ROWS."""
+    pad = _SUM_COLS.value if decode_swapped(head_dim) else TUNING["decode"]["MIN_ROWS"]
+    return max(pad, triton.next_power_of_2(group))
 
 
 def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: float) -> None:
     q = queries.q
     d, n_seqs = q.shape[2], queries.n_seqs
     cfg = TUNING["decode"]
+    swapped = decode_swapped(d)
+    if swapped and cfg["num_stages"] < 2:
+        raise ValueError("attention (triton): TUNING['decode'] has num_stages=1 with SWAP: swapped decode tiles "
+                         "unpipelined made an illegal memory access on an H200 (Triton 3.6); use num_stages >= 2")
     n_chunks = triton.cdiv(keys.max_count, KV_CHUNK)
     # programs per (sequence, kv head): enough to give every SM a few at small batch, at most one per chunk
-    per_seq = max(1, min(n_chunks, triton.cdiv(_DECODE_PROGRAMS_PER_SM * resident_programs(q.device),
+    per_seq = max(1, min(n_chunks, triton.cdiv(cfg["PROGRAMS_PER_SM"] * resident_programs(q.device),
                                                n_seqs * keys.n_heads)))
     states = (n_seqs, keys.n_heads, n_chunks, group) if per_seq > 1 else (1,)  # one program: merged in registers
     part_m = torch.empty(states, device=q.device, dtype=torch.float32)
@@ -528,10 +603,11 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
                else torch.empty((1,), device=q.device, dtype=torch.int32))
     _decode_chunk_kernel[(per_seq, keys.n_heads, n_seqs)](
         q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, *_query_args(queries),
-        *_page_args(keys), q.shape[1], qk_scale, n_chunks, GROUP=group, ROWS=decode_rows(group),
+        *_page_args(keys), q.shape[1], qk_scale, n_chunks, GROUP=group, ROWS=decode_rows(group, d),
         MERGE_ROWS=triton.next_power_of_2(group), D=d,
         KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, IN_REGISTERS=per_seq == 1, PREFETCH=cfg["PREFETCH"],
-        FROM_LENS=queries.from_lens, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        FROM_LENS=queries.from_lens, SWAP=swapped, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
 
 
 def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):
