@@ -55,6 +55,28 @@ def test_vllm_cuda_graphs_bitwise_with_the_trainer(pair, temperature, top_p, top
     assert int(differ.sum()) == 0, f"{int(differ.sum())} of {int(mask.sum())} logprobs differ: (sample, position, length, rollout, trainer, support size) {detail}"
 
 
+def test_seeded_sampling_draws_the_same_tokens_in_any_batch(pair):
+    """A sample's tokens are a function of its seed (and the weights), never of the batch around it:
+    what RL's per-sample seeds promise. On CUDA every seeded request of a step is drawn in one launch
+    (worker.SeededTopKTopP, keyed by seed and position): a key taken from the batch row, or one that
+    did not move with the position, would draw other tokens here."""
+    from lockstep.framework.rollout.base import SamplingParams
+
+    _, engine, _ = pair
+    seeds = _seeds(len(PROMPTS), 3, step=5)
+    for sp in (SamplingParams(1.0, 1.0, 0, 24), SamplingParams(0.8, 0.9, 0, 24)):
+        together = engine.generate(PROMPTS, sp, seeds)
+        alone = engine.generate(PROMPTS[2:3], sp, [seeds[2][1:2]])
+        row = 2 * 3 + 1
+        n = int(together.response_lens[row])
+        assert int(alone.response_lens[0]) == n
+        start_t, start_a = int(together.prompt_lens[row]), int(alone.prompt_lens[0])
+        assert torch.equal(together.tokens[row, start_t:start_t + n], alone.tokens[0, start_a:start_a + n])
+        # the three seeds of one prompt draw different responses (the noise follows the seed)
+        responses = {tuple(together.tokens[2 * 3 + j, start_t:].tolist()) for j in range(3)}
+        assert len(responses) == 3
+
+
 def test_weights_came_over_cuda_ipc_and_were_checked_on_the_gpu(pair, tmp_path):
     actor, engine, timings = pair
     assert timings["buckets"] >= 2 and timings["load_post_load_checked"] == timings["buckets"]
@@ -62,3 +84,4 @@ def test_weights_came_over_cuda_ipc_and_were_checked_on_the_gpu(pair, tmp_path):
     rb = json.loads(open(path).read())
     assert rb["compiled_forward"] is True and rb["kernel_backend"] == "triton"
     assert rb["kernel_calls"]["paged_attention"] > 0 and rb["kernel_calls"]["linear_logp"] > 0
+    assert rb["batched_seeded_draws"] > 0, "the seeded draws took V1's per-request loop on CUDA"

@@ -3,7 +3,12 @@
 the readback of this worker process."""
 from __future__ import annotations
 
+from typing import Callable
+
+import numpy as np
 import torch
+from vllm.platforms import current_platform
+from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler, apply_top_k_top_p
 from vllm.v1.sample.sampler import Sampler
 
 from lockstep.framework.consistency.readback import readback
@@ -31,13 +36,56 @@ def support_from_logprobs(ids: torch.Tensor, logprobs: torch.Tensor, real_vocab:
     return torch.where(kept, top_ids, torch.full_like(top_ids, -1))
 
 
-class LockstepSampler(Sampler):
-    """vLLM's sampler, unchanged, followed by the lockstep logprob of each sampled token
-    (when the logp module is R) written into every column that holds the sampled token."""
+class SeededTopKTopP(TopKTopPSampler):
+    """vLLM's V1 top-k/top-p sampler whose random draw, on CUDA, takes every request of the batch in
+    one launch: the Gumbel-max kernel of vLLM's V2 model runner (what stock vLLM 0.26 samples with),
+    its noise a function of the request's seed and the position of its last input token, instead
+    of V1's loop of one exponential_ launch per seeded request (at a batch of 128 that loop was half
+    of a decode step's host launches). The same seed and position draw the same token whatever else
+    is in the batch. A batch with a request that has no seed of its own, and vLLM's CPU build, keep
+    V1's own draw; top-k/top-p filtering and the processed logprobs are V1's."""
 
-    def __init__(self, base: Sampler, model, fault: str = "none"):
+    def __init__(self, base: TopKTopPSampler, positions: Callable[[int], np.ndarray]):
+        super().__init__(base.logprobs_mode, base.use_fp64_gumbel)
+        self.positions = positions  # tokens held by each of the batch's first n requests (host)
+        self.batched_draws = 0
+        if current_platform.is_cuda():
+            from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+            self._gumbel_sample, self._v1_forward, self.forward = gumbel_sample, self.forward, self.forward_seeded
+
+    def forward_seeded(self, logits, generators, k, p):
+        n = logits.shape[0]
+        if len(generators) != n:  # a request without its own seed: V1's draw (global RNG for it)
+            return self._v1_forward(logits, generators, k, p)
+        logits = apply_top_k_top_p(logits, k, p)
+        processed = None
+        if self.logprobs_mode == "processed_logits":
+            processed = logits
+        elif self.logprobs_mode == "processed_logprobs":
+            processed = logits.log_softmax(dim=-1, dtype=torch.float32)
+        host = np.empty((2, n), dtype=np.int64)
+        host[0] = [generators[i].initial_seed() for i in range(n)]
+        host[1] = self.positions(n) - 1  # the last input token's position, as the V2 runner keys it
+        seed, pos = torch.from_numpy(host).pin_memory().to(logits.device, non_blocking=True)
+        rows = torch.arange(n, device=logits.device)
+        # the temperature was applied by the caller (Sampler.sample); ones make the kernel add noise to every row
+        ones = torch.ones(n, device=logits.device, dtype=torch.float32)
+        self.batched_draws += 1
+        return self._gumbel_sample(logits, rows, ones, seed, pos, apply_temperature=False,
+                                   use_fp64=self.use_fp64_gumbel), processed
+
+
+class LockstepSampler(Sampler):
+    """vLLM's sampler (its random draw batched on CUDA: SeededTopKTopP), followed by the lockstep
+    logprob of each sampled token (when the logp module is R) written into every column that holds
+    the sampled token."""
+
+    def __init__(self, base: Sampler, model, fault: str = "none", positions: Callable[[int], np.ndarray] | None = None):
         super().__init__(logprobs_mode=base.logprobs_mode, use_fp64_gumbel=base.use_fp64_gumbel)
         self.lockstep_model, self.fault = model, fault
+        if positions is not None:
+            self.topk_topp_sampler = SeededTopKTopP(self.topk_topp_sampler, positions)
 
     def forward(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
         if predict_bonus_token:
@@ -79,7 +127,13 @@ class LockstepWorkerExtension:
         """After start-up: the sampler hook, and the weight receiver expecting these HF names."""
         runner = self.model_runner
         fault = (plugin_determinism() or {}).get("inject_fault", "none")
-        runner.sampler = LockstepSampler(runner.sampler, runner.get_model(), fault)
+        batch = getattr(runner, "input_batch", None)
+        if not hasattr(batch, "num_tokens_no_spec"):
+            raise RuntimeError(f"{type(runner).__name__} has no input_batch.num_tokens_no_spec (the V1 runner's "
+                               f"token counts, which the seeded sampler keys its draws by): a vLLM outside "
+                               f"TESTED_VLLM_VERSIONS, or its V2 runner (the engine sets VLLM_USE_V2_MODEL_RUNNER=0)")
+        runner.sampler = LockstepSampler(runner.sampler, runner.get_model(), fault,
+                                         positions=lambda n: runner.input_batch.num_tokens_no_spec[:n])
         self._lockstep_receiver = WeightReceiver(weight_names)
         return {"logprobs_mode": runner.sampler.logprobs_mode}
 
@@ -111,4 +165,6 @@ class LockstepWorkerExtension:
         compiled = not self.model_runner.vllm_config.model_config.enforce_eager
         # Inside vLLM's compiled forward (and its CUDA graphs) Python does not run per call: the
         # counts of the decoder's ops are those of the trace and of eager prefills, not per step.
-        return readback(ops, side="rollout", backend="vllm", rank=rank, extra={"compiled_forward": compiled})
+        draws = getattr(self.model_runner.sampler.topk_topp_sampler, "batched_draws", 0)
+        return readback(ops, side="rollout", backend="vllm", rank=rank,
+                        extra={"compiled_forward": compiled, "batched_seeded_draws": draws})
