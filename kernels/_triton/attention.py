@@ -251,8 +251,8 @@ def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, 
     the last block that holds keys), in chunk order: the same operations in the same order.
     PREFETCH (speed only): load each block's K/V one block ahead into registers, instead of leaving
     the load schedule to Triton's pipeliner."""
-    m, l, acc = _empty_state(ROWS, D, SWAP)
-    l = tl.zeros((ROWS,), tl.float32)
+    m, _, acc = _empty_state(ROWS, D, SWAP)
+    l = tl.zeros((ROWS,), tl.float32)  # the running state's row sums: a vector (a chunk's are its dot's tile)
     m_c, l_c, acc_c = _empty_state(ROWS, D, SWAP)
     last = hi // KV_BLOCK
     if PREFETCH:
