@@ -82,7 +82,10 @@ def profile_generate(llm, ps, steps: int, path: str) -> None:
     """Where a decode step spends its time: the same requests generate 1 token (the prefill step)
     and then `steps` tokens under torch.profiler; the difference over the steps - 1 decode steps is
     each kernel's and host op's cost per decode step, without the prefill (which at a long prompt
-    batch dominates a short profile)."""
+    batch dominates a short profile). A first profiled generate is thrown away: the profiler's own
+    start-up lands in it (stock vLLM's profiled 1-token generate once took longer than the 16-token
+    one, which made its per-step wall negative)."""
+    _profiled(llm, ps, 1)
     wall1, gpu1, cpu1 = _profiled(llm, ps, 1)
     wall, gpu, cpu = _profiled(llm, ps, steps)
     n = steps - 1
