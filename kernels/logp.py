@@ -54,7 +54,7 @@ def chunk_width(full_vocab_size: int) -> int:
 
 def _safe(m: torch.Tensor) -> torch.Tensor:
     """A max of -inf (all entries masked) becomes 0 so that exp(-inf - 0) = 0 instead of NaN."""
-    return torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    return torch.where(m == _NEG_INF, 0.0, m)
 
 
 def _scale(z: torch.Tensor, temperature) -> torch.Tensor:
@@ -157,8 +157,9 @@ def merge_tree(m: torch.Tensor, s: torch.Tensor, w: torch.Tensor | None):
         width //= 2
         m1, m2 = m[..., :width], m[..., width:]
         mm = torch.maximum(m1, m2)
-        a1 = torch.exp(m1 - _safe(mm))
-        a2 = torch.exp(m2 - _safe(mm))
+        ref = _safe(mm)
+        a1 = torch.exp(m1 - ref)
+        a2 = torch.exp(m2 - ref)
         s = s[..., :width] * a1 + s[..., width:] * a2
         if w is not None:
             w = w[..., :width] * a1 + w[..., width:] * a2
