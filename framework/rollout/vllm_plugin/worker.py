@@ -49,6 +49,7 @@ class SeededTopKTopP(TopKTopPSampler):
         super().__init__(base.logprobs_mode, base.use_fp64_gumbel)
         self.positions = positions  # tokens held by each of the batch's first n requests (host)
         self.batched_draws = 0
+        self._rows = self._ones = None  # arange / ones of the largest batch seen (device), sliced per step
         if current_platform.is_cuda():
             from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 
@@ -68,11 +69,12 @@ class SeededTopKTopP(TopKTopPSampler):
         host[0] = [generators[i].initial_seed() for i in range(n)]
         host[1] = self.positions(n) - 1  # the last input token's position, as the V2 runner keys it
         seed, pos = torch.from_numpy(host).pin_memory().to(logits.device, non_blocking=True)
-        rows = torch.arange(n, device=logits.device)
-        # the temperature was applied by the caller (Sampler.sample); ones make the kernel add noise to every row
-        ones = torch.ones(n, device=logits.device, dtype=torch.float32)
+        if self._rows is None or self._rows.numel() < n:
+            self._rows = torch.arange(n, device=logits.device)
+            # the temperature was applied by the caller (Sampler.sample); ones make the kernel add noise to every row
+            self._ones = torch.ones(n, device=logits.device, dtype=torch.float32)
         self.batched_draws += 1
-        return self._gumbel_sample(logits, rows, ones, seed, pos, apply_temperature=False,
+        return self._gumbel_sample(logits, self._rows[:n], self._ones[:n], seed, pos, apply_temperature=False,
                                    use_fp64=self.use_fp64_gumbel), processed
 
 
@@ -81,11 +83,10 @@ class LockstepSampler(Sampler):
     logprob of each sampled token (when the logp module is R) written into every column that holds
     the sampled token."""
 
-    def __init__(self, base: Sampler, model, fault: str = "none", positions: Callable[[int], np.ndarray] | None = None):
+    def __init__(self, base: Sampler, model, fault: str, positions: Callable[[int], np.ndarray]):
         super().__init__(logprobs_mode=base.logprobs_mode, use_fp64_gumbel=base.use_fp64_gumbel)
         self.lockstep_model, self.fault = model, fault
-        if positions is not None:
-            self.topk_topp_sampler = SeededTopKTopP(self.topk_topp_sampler, positions)
+        self.topk_topp_sampler = SeededTopKTopP(self.topk_topp_sampler, positions)
 
     def forward(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
         if predict_bonus_token:
