@@ -117,11 +117,11 @@ def run_vllm(config: str, shape: dict, out: dict, profile_steps: int = 0, profil
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     (work / "config.json").write_text(json.dumps(cfg.to_hf("bfloat16")))
     if config == "lockstep":
-        from lockstep.framework.rollout.vllm_engine import VLLM_ENV, engine_kwargs
+        from lockstep.framework.rollout.vllm_engine import engine_kwargs, vllm_env
 
         det = dict(mode="strict", case="R/R", attention=1, ffn=1, logp=1, on_mismatch="auto", inject_fault="none",
                    provider="lockstep.kernels.provider:linear_logp_provider")
-        os.environ.update(VLLM_ENV, LOCKSTEP_VLLM_DETERMINISM=json.dumps(det))
+        os.environ.update(vllm_env("cuda"), LOCKSTEP_VLLM_DETERMINISM=json.dumps(det))
         kwargs = engine_kwargs("cuda", tensor_parallel_size=1, max_model_len=shape["prompt"] + shape["new"] + 16,
                                max_logprobs=1, max_batch=shape["requests"], gpu_memory_utilization=0.85,
                                dtype="bfloat16", seed=0, enforce_eager=False, lockstep_attention=True)

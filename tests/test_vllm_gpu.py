@@ -57,9 +57,9 @@ def test_vllm_cuda_graphs_bitwise_with_the_trainer(pair, temperature, top_p, top
 
 def test_seeded_sampling_draws_the_same_tokens_in_any_batch(pair):
     """A sample's tokens are a function of its seed (and the weights), never of the batch around it:
-    what RL's per-sample seeds promise. On CUDA every seeded request of a step is drawn in one launch
-    (worker.SeededTopKTopP, keyed by seed and position): a key taken from the batch row, or one that
-    did not move with the position, would draw other tokens here."""
+    what RL's per-sample seeds promise. On CUDA vLLM's V2 runner draws every request of a step in one
+    launch keyed by seed and position: a key taken from the batch row, or one that did not move with
+    the position, would draw other tokens here."""
     from lockstep.framework.rollout.base import SamplingParams
 
     _, engine, _ = pair
@@ -84,4 +84,4 @@ def test_weights_came_over_cuda_ipc_and_were_checked_on_the_gpu(pair, tmp_path):
     rb = json.loads(open(path).read())
     assert rb["compiled_forward"] is True and rb["kernel_backend"] == "triton"
     assert rb["kernel_calls"]["paged_attention"] > 0 and rb["kernel_calls"]["linear_logp"] > 0
-    assert rb["batched_seeded_draws"] > 0, "the seeded draws took V1's per-request loop on CUDA"
+    assert rb["sampler"] == "LockstepSamplerV2", "the engine ran vLLM's V1 model runner on CUDA"

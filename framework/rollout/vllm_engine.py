@@ -33,13 +33,17 @@ log = logging.getLogger(__name__)
 WORKER_EXTENSION = "lockstep.framework.rollout.vllm_plugin.worker.LockstepWorkerExtension"
 
 
-# Set in the engine process, inherited by the processes vLLM spawns.
-VLLM_ENV = {
-    "VLLM_USE_V2_MODEL_RUNNER": "0",  # the plugin's hooks are the V1 runner's (vLLM 0.26 picks V2 for dense models)
-    # vLLM's compile cache key knows neither the plugin's code nor the determinism config: a cached
-    # graph could be another configuration's
-    "VLLM_DISABLE_COMPILE_CACHE": "1",
-}
+def vllm_env(device: str) -> dict[str, str]:
+    """Set in the engine process, inherited by the processes vLLM spawns."""
+    return {
+        # the model runner the plugin's sampler hook was run on, named rather than left to vLLM's choice:
+        # V2 on CUDA (what stock vLLM 0.26 runs dense models with; a configuration V2 cannot run is then
+        # an error, not a silent switch), V1 on vLLM's CPU build (whose weight reload repacks oneDNN handles)
+        "VLLM_USE_V2_MODEL_RUNNER": "1" if device == "cuda" else "0",
+        # vLLM's compile cache key knows neither the plugin's code nor the determinism config: a cached
+        # graph could be another configuration's
+        "VLLM_DISABLE_COMPILE_CACHE": "1",
+    }
 
 
 def engine_kwargs(device: str, *, tensor_parallel_size: int, max_model_len: int, max_logprobs: int,
@@ -83,7 +87,7 @@ class VllmRolloutEngine(RolloutEngine):
         (model_dir / CONFIG_FILE).write_text(json.dumps({**self.cfg.to_hf(dtype), "lockstep_real_vocab_size": real_vocab_size}))
         # Read by the plugin in every vLLM process (inherited by the processes vLLM spawns).
         os.environ[ENV] = json.dumps(determinism)
-        os.environ.update(VLLM_ENV)
+        os.environ.update(vllm_env(self.device))
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
         from vllm import LLM
 

@@ -11,9 +11,9 @@ The sampler hook lives in the worker extension (worker.py), installed by the eng
 `collective_rpc` after start-up.
 
 Internal hooks used (checked on the versions in TESTED_VLLM_VERSIONS): the CPU linear flag
-`_cpu_skip_gemm_dispatch` (0.32), `worker.model_runner.sampler` and `model_runner.reload_weights` of
-the V1 model runner (0.26 defaults to its V2 runner for dense models: the engine sets
-VLLM_USE_V2_MODEL_RUNNER=0), the attention backend interface (attention.py).
+`_cpu_skip_gemm_dispatch` (0.32), `worker.model_runner.sampler` of the V2 model runner (CUDA, 0.26:
+its `sampling_states`) and of the V1 runner with its `reload_weights` (vLLM's CPU build, 0.32); the
+engine names the runner (VLLM_USE_V2_MODEL_RUNNER), the attention backend interface (attention.py).
 """
 from __future__ import annotations
 

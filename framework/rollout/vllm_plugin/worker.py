@@ -3,12 +3,7 @@
 the readback of this worker process."""
 from __future__ import annotations
 
-from typing import Callable
-
-import numpy as np
 import torch
-from vllm.platforms import current_platform
-from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler, apply_top_k_top_p
 from vllm.v1.sample.sampler import Sampler
 
 from lockstep.framework.consistency.readback import readback
@@ -36,89 +31,87 @@ def support_from_logprobs(ids: torch.Tensor, logprobs: torch.Tensor, real_vocab:
     return torch.where(kept, top_ids, torch.full_like(top_ids, -1))
 
 
-class SeededTopKTopP(TopKTopPSampler):
-    """vLLM's V1 top-k/top-p sampler whose random draw, on CUDA, takes every request of the batch in
-    one launch: the Gumbel-max kernel of vLLM's V2 model runner (what stock vLLM 0.26 samples with),
-    its noise a function of the request's seed and the position of its last input token, instead
-    of V1's loop of one exponential_ launch per seeded request (at a batch of 128 that loop was half
-    of a decode step's host launches). The same seed and position draw the same token whatever else
-    is in the batch. A batch with a request that has no seed of its own, and vLLM's CPU build, keep
-    V1's own draw; top-k/top-p filtering and the processed logprobs are V1's."""
+def replace_sampled_logprob(model, fault: str, lt, sampled: torch.Tensor, temperature: torch.Tensor | None,
+                            restricted: bool) -> None:
+    """Write the lockstep logprob of each row's sampled token into every column of vLLM's logprob
+    tensors that holds that token (in place, no host sync). temperature: None for a greedy batch,
+    else [rows] float32; restricted: a request of the batch has a top-p/top-k support, read from the
+    finite entries of vLLM's processed logprob window and replayed exactly."""
+    support = support_from_logprobs(lt.logprob_token_ids.long(), lt.logprobs, model.real_vocab_size) if restricted else None
+    if fault != "none":
+        logp = faulty_logp(fault, model.lockstep_hidden, model.lockstep_lm_head_weight, sampled,
+                           temperature=temperature, real_vocab_size=model.real_vocab_size, support_ids=support)
+    else:
+        # the targets are vLLM's own sampled ids: no range check, which would stop the host
+        # until the device catches up (and with it vLLM's overlap of scheduling and decoding)
+        with skipping_value_checks():
+            logp = model.token_logp(model.lockstep_hidden, sampled, temperature=temperature, support_ids=support).logp
+    holds = lt.logprob_token_ids.long() == sampled[:, None]
+    lt.logprobs.copy_(torch.where(holds, logp[:, None].to(lt.logprobs.dtype), lt.logprobs))
 
-    def __init__(self, base: TopKTopPSampler, positions: Callable[[int], np.ndarray]):
-        super().__init__(base.logprobs_mode, base.use_fp64_gumbel)
-        self.positions = positions  # tokens held by each of the batch's first n requests (host)
-        self.batched_draws = 0
-        self._rows = self._ones = None  # arange / ones of the largest batch seen (device), sliced per step
-        if current_platform.is_cuda():
-            from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 
-            self._gumbel_sample, self._v1_forward, self.forward = gumbel_sample, self.forward, self.forward_seeded
-
-    def forward_seeded(self, logits, generators, k, p):
-        n = logits.shape[0]
-        if len(generators) != n:  # a request without its own seed: V1's draw (global RNG for it)
-            return self._v1_forward(logits, generators, k, p)
-        logits = apply_top_k_top_p(logits, k, p)
-        processed = None
-        if self.logprobs_mode == "processed_logits":
-            processed = logits
-        elif self.logprobs_mode == "processed_logprobs":
-            processed = logits.log_softmax(dim=-1, dtype=torch.float32)
-        host = np.empty((2, n), dtype=np.int64)
-        host[0] = [generators[i].initial_seed() for i in range(n)]
-        host[1] = self.positions(n) - 1  # the last input token's position, as the V2 runner keys it
-        seed, pos = torch.from_numpy(host).pin_memory().to(logits.device, non_blocking=True)
-        if self._rows is None or self._rows.numel() < n:
-            self._rows = torch.arange(n, device=logits.device)
-            # the temperature was applied by the caller (Sampler.sample); ones make the kernel add noise to every row
-            self._ones = torch.ones(n, device=logits.device, dtype=torch.float32)
-        self.batched_draws += 1
-        return self._gumbel_sample(logits, self._rows[:n], self._ones[:n], seed, pos, apply_temperature=False,
-                                   use_fp64=self.use_fp64_gumbel), processed
+def _replaces(model, fault: str) -> bool:
+    return bool(model.lockstep_ops.selection.logp) or fault != "none"  # P and no fault: vLLM's own logprob stands
 
 
 class LockstepSampler(Sampler):
-    """vLLM's sampler (its random draw batched on CUDA: SeededTopKTopP), followed by the lockstep
-    logprob of each sampled token (when the logp module is R) written into every column that holds
-    the sampled token."""
+    """The V1 model runner's sampler (vLLM's CPU build), followed by the lockstep logprob of each
+    sampled token (when the logp module is R)."""
 
-    def __init__(self, base: Sampler, model, fault: str, positions: Callable[[int], np.ndarray]):
+    def __init__(self, base: Sampler, model, fault: str):
         super().__init__(logprobs_mode=base.logprobs_mode, use_fp64_gumbel=base.use_fp64_gumbel)
         self.lockstep_model, self.fault = model, fault
-        self.topk_topp_sampler = SeededTopKTopP(self.topk_topp_sampler, positions)
 
     def forward(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
         if predict_bonus_token:
             raise RuntimeError("speculative decoding is not covered by lockstep's logprob replacement")
         out = super().forward(logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
         lt = out.logprobs_tensors
-        if lt is None:  # no logprobs requested (vLLM's profiling batch among them)
+        if lt is None or not _replaces(self.lockstep_model, self.fault):  # no logprobs requested (vLLM's profiling batch among them)
             return out
-        model = self.lockstep_model
-        if not model.lockstep_ops.selection.logp and self.fault == "none":
-            return out  # P: vLLM's own processed logprob stands
-        sampled = out.sampled_token_ids[:, 0].long()
-        temperature, support = None, None
+        temperature, restricted = None, False
         if not sampling_metadata.all_greedy:
             if not sampling_metadata.all_random:
                 raise RuntimeError("a batch mixing greedy and sampled requests is not supported by lockstep")
             temperature = sampling_metadata.temperature.float()
             # vLLM leaves top_p / top_k None when no request of the batch restricts its support
-            if sampling_metadata.top_p is not None or sampling_metadata.top_k is not None:
-                support = support_from_logprobs(lt.logprob_token_ids.long(), lt.logprobs, model.real_vocab_size)
-        if self.fault != "none":
-            logp = faulty_logp(self.fault, model.lockstep_hidden, model.lockstep_lm_head_weight, sampled,
-                               temperature=temperature, real_vocab_size=model.real_vocab_size, support_ids=support)
-        else:
-            # the targets are vLLM's own sampled ids: no range check, which would stop the host
-            # until the device catches up (and with it vLLM's overlap of scheduling and decoding)
-            with skipping_value_checks():
-                logp = model.token_logp(model.lockstep_hidden, sampled, temperature=temperature,
-                                        support_ids=support).logp
-        holds = lt.logprob_token_ids.long() == sampled[:, None]
-        lt.logprobs.copy_(torch.where(holds, logp[:, None].to(lt.logprobs.dtype), lt.logprobs))  # no host sync
+            restricted = sampling_metadata.top_p is not None or sampling_metadata.top_k is not None
+        replace_sampled_logprob(self.lockstep_model, self.fault, lt, out.sampled_token_ids[:, 0].long(), temperature,
+                                restricted)
         return out
+
+
+def sampler_v2(base, model, fault: str):
+    """The V2 model runner's sampler (what vLLM 0.26 runs dense models with on CUDA: input
+    preparation on the GPU, every request of a step drawn in one Gumbel-max launch keyed by its seed
+    and position), followed by the lockstep logprob of each sampled token. A subclass built around
+    the runner's own sampler object: its per-request states are shared, not copied."""
+    from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler
+
+    class LockstepSamplerV2(V2Sampler):
+        def __init__(self):  # adopts base's states (requests already added stay added)
+            self.__dict__.update(base.__dict__)
+            self.lockstep_model, self.fault = model, fault
+
+        def __call__(self, logits, input_batch):
+            out = super().__call__(logits, input_batch)
+            lt = out.logprobs_tensors
+            if lt is None or not _replaces(model, fault):
+                return out
+            if logits.shape[0] != input_batch.num_reqs:
+                raise RuntimeError("speculative decoding is not covered by lockstep's logprob replacement")
+            states, rows = self.sampling_states, input_batch.idx_mapping_np
+            greedy = states.temperature.np[rows] == 0.0
+            temperature, restricted = None, False
+            if not greedy.all():
+                if greedy.any():
+                    raise RuntimeError("a batch mixing greedy and sampled requests is not supported by lockstep")
+                temperature = states.temperature.gpu[input_batch.expanded_idx_mapping]
+                restricted = bool((states.top_k.np[rows] != states.vocab_size).any() or (states.top_p.np[rows] != 1.0).any())
+            replace_sampled_logprob(model, fault, lt, out.sampled_token_ids[:, 0].long(), temperature, restricted)
+            return out
+
+    return LockstepSamplerV2()
 
 
 class LockstepWorkerExtension:
@@ -128,13 +121,15 @@ class LockstepWorkerExtension:
         """After start-up: the sampler hook, and the weight receiver expecting these HF names."""
         runner = self.model_runner
         fault = (plugin_determinism() or {}).get("inject_fault", "none")
-        batch = getattr(runner, "input_batch", None)
-        if not hasattr(batch, "num_tokens_no_spec"):
-            raise RuntimeError(f"{type(runner).__name__} has no input_batch.num_tokens_no_spec (the V1 runner's "
-                               f"token counts, which the seeded sampler keys its draws by): a vLLM outside "
-                               f"TESTED_VLLM_VERSIONS, or its V2 runner (the engine sets VLLM_USE_V2_MODEL_RUNNER=0)")
-        runner.sampler = LockstepSampler(runner.sampler, runner.get_model(), fault,
-                                         positions=lambda n: runner.input_batch.num_tokens_no_spec[:n])
+        if runner.vllm_config.speculative_config is not None:
+            raise RuntimeError("speculative decoding is not covered by lockstep's logprob replacement")
+        if isinstance(runner.sampler, Sampler):  # the V1 runner's (an nn.Module)
+            runner.sampler = LockstepSampler(runner.sampler, runner.get_model(), fault)
+        elif hasattr(runner.sampler, "sampling_states"):  # the V2 runner's
+            runner.sampler = sampler_v2(runner.sampler, runner.get_model(), fault)
+        else:
+            raise RuntimeError(f"{type(runner).__name__}.sampler is a {type(runner.sampler).__name__}, neither the V1 "
+                               f"nor the V2 runner's sampler this plugin hooks: a vLLM outside TESTED_VLLM_VERSIONS")
         self._lockstep_receiver = WeightReceiver(weight_names)
         return {"logprobs_mode": runner.sampler.logprobs_mode}
 
@@ -166,6 +161,5 @@ class LockstepWorkerExtension:
         compiled = not self.model_runner.vllm_config.model_config.enforce_eager
         # Inside vLLM's compiled forward (and its CUDA graphs) Python does not run per call: the
         # counts of the decoder's ops are those of the trace and of eager prefills, not per step.
-        draws = getattr(self.model_runner.sampler.topk_topp_sampler, "batched_draws", 0)
         return readback(ops, side="rollout", backend="vllm", rank=rank,
-                        extra={"compiled_forward": compiled, "batched_seeded_draws": draws})
+                        extra={"compiled_forward": compiled, "sampler": type(self.model_runner.sampler).__name__})
