@@ -12,7 +12,8 @@
 #   tests       pytest -m gpu (kernels, attention, logp, CUDA-graph capture, TP emulation)
 #   vllm_tests  pytest -m gpu tests/test_vllm_gpu.py (vLLM + lockstep, bf16, CUDA graphs, bitwise)
 #   e2e         qwen3-1.7b-1gpu (megatron actor + native engine), strict and off
-#   e2e_vllm    qwen3-1.7b-1gpu rollout=vllm, strict and off (top_p 0.9, temperature 0.7)
+#   e2e_vllm    qwen3-1.7b-1gpu rollout=vllm, $E2E_MODES (default strict,off; top_p 0.9, temperature 0.7,
+#               3 steps of 16 prompts x 8 samples x <= 128 new tokens)
 #   e2e_ckpt    init-model --like qwen3-1.7b, then qwen3-1.7b from it: native engine, then vLLM (strict)
 #   train_memory benchmarks/bench_train_memory.py (peak training memory vs max_tokens_per_gpu and batch)
 #   resume      benchmarks/resume_1gpu.py (4 steps straight vs 2 + resume, bf16 megatron, bitwise)
@@ -66,12 +67,14 @@ for stage in "$@"; do
                tests/test_attention.py tests/test_tp_invariance.py} -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     vllm_tests) need_site; timeout 400 python3 -m pytest -q -m gpu tests/test_vllm_gpu.py -p no:cacheprovider -x 2>&1 \
                | tee "$OUT/vllm_gpu_tests.log" | grep -v "Logging error\|I/O operation" | tail -30 ;;
-    e2e)     need_site; timeout 500 python3 benchmarks/e2e_1gpu.py /tmp/e2e > "$OUT/e2e.log" 2>&1
+    e2e)     need_site; rm -rf /tmp/e2e; timeout 500 python3 benchmarks/e2e_1gpu.py /tmp/e2e > "$OUT/e2e.log" 2>&1
              cp /tmp/e2e/e2e.md "$OUT/e2e.md" 2>/dev/null; tail -45 "$OUT/e2e.log" ;;
-    e2e_vllm) need_site; timeout 560 python3 benchmarks/e2e_1gpu.py /tmp/e2e_vllm rollout=vllm rollout.top_p=0.9 \
-               rollout.temperature=0.7 rollout.max_new_tokens=64 trainer.steps=4 > "$OUT/e2e_vllm.log" 2>&1
+    e2e_vllm) need_site; rm -rf /tmp/e2e_vllm  # a run refuses a directory that holds one (a warm machine keeps /tmp)
+             timeout ${E2E_TIMEOUT:-560} python3 benchmarks/e2e_1gpu.py /tmp/e2e_vllm --modes ${E2E_MODES:-strict,off} \
+               rollout=vllm rollout.top_p=0.9 rollout.temperature=0.7 rollout.prompts_per_step=16 rollout.n_samples=8 \
+               rollout.max_new_tokens=128 trainer.steps=3 > "$OUT/e2e_vllm.log" 2>&1
              cp /tmp/e2e_vllm/e2e.md "$OUT/e2e_vllm.md" 2>/dev/null; grep -v "Logging error\|I/O operation" "$OUT/e2e_vllm.log" | tail -45 ;;
-    e2e_ckpt) need_site
+    e2e_ckpt) need_site; rm -rf /tmp/e2e_ckpt /tmp/e2e_ckpt_vllm
              [ -f /tmp/q17/config.json ] || timeout 200 python3 -m lockstep.launch.cli init-model --like qwen3-1.7b --out /tmp/q17 dtype=bfloat16
              timeout 560 python3 benchmarks/e2e_1gpu.py /tmp/e2e_ckpt --recipe qwen3-1.7b --modes strict model.init_from=/tmp/q17 \
                trainer.steps=3 rollout.max_new_tokens=128 > "$OUT/e2e_ckpt.log" 2>&1

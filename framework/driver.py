@@ -25,7 +25,7 @@ from lockstep.framework.placement import Resources, placed
 from lockstep.framework.rollout.base import SamplingParams
 from lockstep.framework.rollout.sampling import sample_seed
 from lockstep.framework.summary import RunSummary
-from lockstep.framework.tracking.tracker import Tracker
+from lockstep.framework.tracking.tracker import METRICS_FILE, Tracker
 from lockstep.framework.weights.sync import sync_weights
 from lockstep.framework.workers import actor_world_size, engine_ranks, spawn_actor, spawn_rollouts
 
@@ -108,6 +108,9 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep", overrides: tuple
     """One run of the RL loop. overrides: the command line's key=value overrides (an explicit model
     shape that contradicts model.init_from's config.json is an error; a model group's default is not)."""
     settings.validate(cfg)
+    if (run_dir / METRICS_FILE).exists():  # its steps and this run's would mix in one file
+        raise FileExistsError(f"hydra.run.dir={run_dir} already holds a run ({run_dir / METRICS_FILE}); run into a new "
+                              f"directory (to continue that run: a new hydra.run.dir and trainer.resume={run_dir})")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / RESOLVED_CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
     data = load_records(cfg.data.path, cfg.data.prompt_key, cfg.data.label_key, cfg.data.skip_bad_rows)

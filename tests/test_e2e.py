@@ -21,7 +21,7 @@ def _run(tmp_path, *overrides):
     return cli.main(["run", "tiny-cpu", f"hydra.run.dir={tmp_path}", *overrides])
 
 
-def test_tiny_cpu_strict_short_run(ray_session, tmp_path):
+def test_tiny_cpu_strict_short_run(ray_session, tmp_path, capsys):
     rc = _run(tmp_path, "trainer.steps=4", "algo.kl_coef=0.01", "rollout.top_p=0.9")
     assert rc == 0
     rows = read_jsonl(tmp_path / "metrics.jsonl")
@@ -40,6 +40,12 @@ def test_tiny_cpu_strict_short_run(ray_session, tmp_path):
     assert (tmp_path / "config.yaml").read_text().count("${") == 0  # resolved
     assert (tmp_path / "checkpoint" / "model.safetensors").exists()
     assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline W&B run written"
+    # a second run into the same directory is refused before it starts: its steps would mix with these
+    capsys.readouterr()
+    assert _run(tmp_path, "trainer.steps=1") == 1
+    assert f"FileExistsError: hydra.run.dir={tmp_path} already holds a run" in capsys.readouterr().err
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
 
 
 @pytest.mark.parametrize("route", [[], ["rollout.top_p=0.9"], ["rollout.top_k=20"], ["rollout.top_k=4", "rollout.top_p=0.8"]],
