@@ -87,3 +87,36 @@ def fixed_order_interpreter_dot() -> None:
         return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
 
     builder.create_dot = create_dot
+
+
+def draws_against_reported(engine, prompt: list[int], sampling, seeds: list[int]) -> tuple[float, float, dict]:
+    """One token drawn once per seed after one prompt; returns (chi-square of the drawn tokens'
+    counts against the probabilities the engine reports for them, its bound, the same statistic
+    against the reported probabilities bent as a sampler would draw them that applied the
+    temperature twice or not at all). Every draw of one token reports the same logprob bits (one
+    position of one prompt is one batch-invariant row). The bound is the statistic's mean plus six
+    standard deviations under a sampler that draws what it reports; the seeds fix the draws, so a
+    pass or a fail repeats."""
+    import math
+    from collections import defaultdict
+
+    from lockstep.framework.rollout.base import SamplingParams
+
+    params = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k, 1)
+    r = engine.generate([prompt], params, [seeds])
+    drawn = defaultdict(list)
+    for tok, lp in zip(r.tokens[:, int(r.prompt_lens[0])].tolist(), r.logp[:, 0].tolist()):
+        drawn[tok].append(lp)
+    assert all(len(set(lps)) == 1 for lps in drawn.values()), "one token's draws reported different logprobs"
+    n, counts = len(seeds), {t: len(lps) for t, lps in drawn.items()}
+    p = {t: math.exp(lps[0]) for t, lps in drawn.items()}
+    assert sum(p.values()) > 0.99, f"tokens never drawn hold {1 - sum(p.values()):.3f} of the reported mass: draw more"
+
+    def chi2(q):
+        s = sum(q.values())
+        return sum((counts[t] - n * q[t] / s) ** 2 / (n * q[t] / s) for t in q)
+
+    dof = len(p) - 1
+    bent = {name: chi2({t: v ** e for t, v in p.items()})
+            for name, e in (("temperature twice", 1 / sampling.temperature), ("no temperature", sampling.temperature))}
+    return chi2(p), dof + 6 * math.sqrt(2 * dof), bent

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from helpers import OPTIM, determinism, optional, sync
+from helpers import OPTIM, determinism, draws_against_reported, optional, sync
 
 pytestmark = pytest.mark.gpu
 
@@ -75,6 +75,20 @@ def test_seeded_sampling_draws_the_same_tokens_in_any_batch(pair):
         # the three seeds of one prompt draw different responses (the noise follows the seed)
         responses = {tuple(together.tokens[2 * 3 + j, start_t:].tolist()) for j in range(3)}
         assert len(responses) == 3
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.5, 0.9), (0.6, 1.0)], ids=["top-p", "full-vocab"])
+def test_the_v2_sampler_draws_what_lockstep_reports(pair, temperature, top_p):
+    """The logprob lockstep reports is the distribution vLLM's V2 sampler drew from (its temperature
+    applied once, its top-p support the replayed one): 16,000 draws of one token against exp(logprob),
+    and the same counts reject a sampler that applied the temperature twice or not at all."""
+    from lockstep.framework.rollout.base import SamplingParams
+
+    _, engine, _ = pair
+    chi2, bound, bent = draws_against_reported(engine, PROMPTS[0], SamplingParams(temperature, top_p, 0, 1),
+                                               list(range(1000, 17000)))
+    assert chi2 < bound, f"drawn tokens do not follow the reported logprobs: chi-square {chi2:.1f} >= {bound:.1f}"
+    assert all(v > bound for v in bent.values()), f"the check cannot tell these samplers apart: {bent}"
 
 
 def test_weights_came_over_cuda_ipc_and_were_checked_on_the_gpu(pair, tmp_path):
