@@ -56,13 +56,15 @@ def main() -> None:
         else:
             extra.append(a)
     results = {mode: run_mode(out, recipe, mode, extra) for mode in modes}
-    cols = ["mode", "steps", "mismatch per step", "logprobs", "step s", "rollout s", "logp s", "train s", "sync s"]
+    cols = ["mode", "steps", "mismatch per step", "logprobs", "response tokens per step (mean)", "step s", "rollout s",
+            "logp s", "train s", "sync s"]
     lines = [f"recipe {recipe} {' '.join(extra)}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for mode, rows in results.items():
         mism = ",".join(str(int(r["consistency/mismatch_count"])) for r in rows)
         numel = sum(int(r["consistency/numel"]) for r in rows)
+        lens = ",".join(f"{r['rollout/response_len_mean']:.1f}" for r in rows)
         vals = [f"{mean(rows, k):.3f}" for k in TIMES]
-        lines.append(f"| {mode} | {len(rows)} | {mism} | {numel} | " + " | ".join(vals) + " |")
+        lines.append(f"| {mode} | {len(rows)} | {mism} | {numel} | {lens} | " + " | ".join(vals) + " |")
     if len(modes) == 2 and all(results.values()):
         a, b = (mean(results[m], "perf/step_s") for m in modes)
         lines.append(f"\n{modes[0]} / {modes[1]} step time: {a / b:.3f}x")
