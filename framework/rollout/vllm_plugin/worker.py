@@ -34,9 +34,10 @@ def support_from_logprobs(ids: torch.Tensor, logprobs: torch.Tensor, real_vocab:
 def replace_sampled_logprob(model, fault: str, lt, sampled: torch.Tensor, temperature: torch.Tensor | None,
                             restricted: bool) -> None:
     """Write the lockstep logprob of each row's sampled token into every column of vLLM's logprob
-    tensors that holds that token (in place, no host sync). temperature: None for a greedy batch,
-    else [rows] float32; restricted: a request of the batch has a top-p/top-k support, read from the
-    finite entries of vLLM's processed logprob window and replayed exactly."""
+    tensors that holds that token (in place). temperature: None for a greedy batch, else [rows]
+    float32; restricted: a request of the batch has a top-p/top-k support, read from the finite
+    entries of vLLM's processed logprob window and replayed exactly (the window-overflow check then
+    reads one flag on the host; an unrestricted batch never waits for the device)."""
     support = support_from_logprobs(lt.logprob_token_ids.long(), lt.logprobs, model.real_vocab_size) if restricted else None
     if fault != "none":
         logp = faulty_logp(fault, model.lockstep_hidden, model.lockstep_lm_head_weight, sampled,
