@@ -89,14 +89,13 @@ def fixed_order_interpreter_dot() -> None:
     builder.create_dot = create_dot
 
 
-def draws_against_reported(engine, prompt: list[int], sampling, seeds: list[int]) -> tuple[float, float, dict]:
-    """One token drawn once per seed after one prompt; returns (chi-square of the drawn tokens'
-    counts against the probabilities the engine reports for them, its bound, the same statistic
-    against the reported probabilities bent as a sampler would draw them that applied the
-    temperature twice or not at all). Every draw of one token reports the same logprob bits (one
-    position of one prompt is one batch-invariant row). The bound is the statistic's mean plus six
-    standard deviations under a sampler that draws what it reports; the seeds fix the draws, so a
-    pass or a fail repeats."""
+def assert_draws_follow_reported(engine, prompt: list[int], sampling, seeds: list[int]) -> None:
+    """One token drawn once per seed after one prompt: the drawn tokens' counts follow the
+    probabilities the engine reports for them (Pearson's chi-square under its mean plus six standard
+    deviations), and the same counts reject those probabilities bent as a sampler would draw them
+    that applied the temperature twice or not at all (the check's power on this model). Every draw
+    of one token reports the same logprob bits (one position of one prompt is one batch-invariant
+    row). The seeds fix the draws, so a pass or a fail repeats."""
     import math
     from collections import defaultdict
 
@@ -117,6 +116,8 @@ def draws_against_reported(engine, prompt: list[int], sampling, seeds: list[int]
         return sum((counts[t] - n * q[t] / s) ** 2 / (n * q[t] / s) for t in q)
 
     dof = len(p) - 1
+    bound = dof + 6 * math.sqrt(2 * dof)
+    assert chi2(p) < bound, f"drawn tokens do not follow the reported logprobs: chi-square {chi2(p):.1f} >= {bound:.1f}"
     bent = {name: chi2({t: v ** e for t, v in p.items()})
             for name, e in (("temperature twice", 1 / sampling.temperature), ("no temperature", sampling.temperature))}
-    return chi2(p), dof + 6 * math.sqrt(2 * dof), bent
+    assert all(v > bound for v in bent.values()), f"the check cannot tell these samplers apart: {bent} (bound {bound:.1f})"
