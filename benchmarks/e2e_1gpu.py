@@ -56,15 +56,16 @@ def main() -> None:
         else:
             extra.append(a)
     results = {mode: run_mode(out, recipe, mode, extra) for mode in modes}
-    cols = ["mode", "steps", "mismatch per step", "logprobs", "response tokens per step (mean)", "step s", "rollout s",
+    cols = ["mode", "steps", "mismatch per step", "logprobs", "response tokens per step (mean)", "entropy per step", "step s", "rollout s",
             "logp s", "train s", "sync s"]
     lines = [f"recipe {recipe} {' '.join(extra)}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for mode, rows in results.items():
         mism = ",".join(str(int(r["consistency/mismatch_count"])) for r in rows)
         numel = sum(int(r["consistency/numel"]) for r in rows)
         lens = ",".join(f"{r['rollout/response_len_mean']:.1f}" for r in rows)
+        ent = ",".join(f"{r['train/entropy']:.3g}" for r in rows)  # near 0: a collapsed policy, its logprobs ~0
         vals = [f"{mean(rows, k):.3f}" for k in TIMES]
-        lines.append(f"| {mode} | {len(rows)} | {mism} | {numel} | {lens} | " + " | ".join(vals) + " |")
+        lines.append(f"| {mode} | {len(rows)} | {mism} | {numel} | {lens} | {ent} | " + " | ".join(vals) + " |")
     if len(modes) == 2 and all(results.values()):
         a, b = (mean(results[m], "perf/step_s") for m in modes)
         lines.append(f"\n{modes[0]} / {modes[1]} step time: {a / b:.3f}x")

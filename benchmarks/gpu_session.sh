@@ -9,6 +9,7 @@
 #   (any other stage installs .gpu-wheels/a (Ray, Hydra, megatron-core) into /tmp/site-a on first use:
 #    carry .gpu-wheels/a in that call)
 # Run stages:
+#   site        only the install of .gpu-wheels/a (a fresh machine's first call, before vllm_a)
 #   tests       pytest -m gpu (kernels, attention, logp, CUDA-graph capture, TP emulation)
 #   vllm_tests  pytest -m gpu tests/test_vllm_gpu.py (vLLM + lockstep, bf16, CUDA graphs, bitwise)
 #   e2e         qwen3-1.7b-1gpu (megatron actor + native engine), strict and off
@@ -60,6 +61,7 @@ rc=0
 for stage in "$@"; do
   echo "=== $stage $(date +%T) ==="
   case $stage in
+    site)    need_site ;;
     vllm_a)  mkdir -p /tmp/vc/chunks && cp .gpu-vllm/chunks/00 /tmp/vc/chunks/ && ls -la /tmp/vc/chunks ;;
     vllm_b)  mkdir -p /tmp/vc/chunks && cp .gpu-vllm/chunks/01 .gpu-vllm/chunks/MANIFEST /tmp/vc/chunks/ \
                && cp .gpu-vllm/install.sh /tmp/vc/ && (cd /tmp/vc && TARGET=/tmp/site bash install.sh) 2>&1 | tail -5 ;;
