@@ -145,8 +145,11 @@ def run_vllm(config: str, shape: dict, out: dict, profile_steps: int = 0, profil
     ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(shape["requests"], shape["prompt"], cfg.vocab_size)]
     params = [SamplingParams(temperature=1.0, max_tokens=shape["new"], ignore_eos=True, seed=i, logprobs=0,
                              detokenize=False) for i in range(len(ps))]
-    llm.generate(ps[:8], [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=i) for i in range(8)],
-                 use_tqdm=False)  # warm-up
+    # Warm-up: the timed batch and sampling (logprobs included), 8 tokens, so that every Triton kernel
+    # either side JIT-compiles on first use (prefill at 128 x 64 rows, the logprob path) does so here,
+    # not inside the timing: an RL run pays it once in its first step.
+    llm.generate(ps, [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=i, logprobs=0,
+                                     detokenize=False) for i in range(len(ps))], use_tqdm=False)
     t0 = time.perf_counter()
     res = llm.generate(ps, params, use_tqdm=False)
     out["gen_s"] = time.perf_counter() - t0
@@ -181,7 +184,7 @@ def run_native(shape: dict, out: dict, new_tokens: int) -> None:
     out["startup_s"] = time.perf_counter() - t0
     sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
     ps = prompts(shape["requests"], shape["prompt"], cfg.vocab_size)
-    engine.generate(ps[:8], SamplingParams(temperature=1.0, max_new_tokens=4), [[i] for i in range(8)])
+    engine.generate(ps, SamplingParams(temperature=1.0, max_new_tokens=4), [[i] for i in range(len(ps))])  # warm-up
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     ro = engine.generate(ps, sp, [[i] for i in range(len(ps))])

@@ -237,6 +237,7 @@ class Colocation:
         self.colocated = bool(cfg.parallel.colocate)
         offload = cfg.actor.offload
         self.offload = self.colocated and cfg.parallel.device == "cuda" if offload == "auto" else bool(offload)
+        self.asleep = False  # the engines start awake: the first sync (before step 1) has nothing to wake
 
     def _memory(self, timer: "PhaseTimer", phase: str, worker, who: str) -> None:
         names = {"used_gib": "mem_used_gib", "peak_gib": "peak_mem_gib", "allocated_gib": f"{who}_allocated_gib"}
@@ -248,21 +249,23 @@ class Colocation:
         if self.colocated:
             with timer("engine_sleep"):
                 self.engines.sleep()
+            self.asleep = True
         if self.offload:
             timer.update({f"perf/actor_{k}": v for k, v in self.actor.reload().items()})
 
     def sync(self, timer: "PhaseTimer") -> None:
         self._memory(timer, "train", self.actor, "actor")
         with timer("weight_sync"):
-            if self.colocated:
+            if self.asleep:
                 self.engines.wake("weights")
             parts = sync_weights(self.actor, self.engines.receive_bucket)
         timer.update({f"perf/weight_{k}": v for k, v in parts.items()})
         if self.offload:
             timer.update({f"perf/actor_{k}": v for k, v in self.actor.offload().items()})
-        if self.colocated:
+        if self.asleep:
             with timer("engine_wake"):
                 self.engines.wake("kv_cache")
+            self.asleep = False
         self._memory(timer, "weight_sync", self.actor, "actor")  # the actor offloaded: what it keeps while engines generate
 
 
