@@ -148,6 +148,7 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep", overrides: tuple
                           OmegaConf.to_container(cfg, resolve=True), cfg.trainer.steps, name,
                           run_id=state.get("tracker_run_id") if state else None)
         recorded = None  # the first mismatching step's record (consistency/record.py)
+        warned_vacuous = False
         step, timer = 0, PhaseTimer()
         try:
             for step in range(first, cfg.trainer.steps + 1):
@@ -167,6 +168,9 @@ def run(cfg: DictConfig, run_dir: Path, name: str = "lockstep", overrides: tuple
                 report = compare_logp(rollout.logp, recomputed.logp, rollout.response_mask(),
                                       rollout.response_tokens(), cfg.logger.worst_tokens)
                 metrics = {**rollout_metrics(rollout, rewards, timer), **report.metrics()}
+                if (vacuous := report.vacuous()) and not warned_vacuous:
+                    log.warning("step %d: %s (warned once per run; metric consistency/certain_frac)", step, vacuous)
+                    warned_vacuous = True
                 hint = ""
                 if report.mismatch_count and cfg.determinism.record_mismatch and recorded is None:
                     with timer("record"):

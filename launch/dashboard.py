@@ -29,7 +29,7 @@ def spec(entity: str | None, project: str, name: str) -> dict:
         "sections": [
             {"name": "Consistency", "panels": _lines(
                 "consistency/mismatch_count", "consistency/mismatch_rate", "consistency/max_abs_diff",
-                "consistency/mean_abs_diff", "consistency/k3_kl", "consistency/numel")},
+                "consistency/mean_abs_diff", "consistency/k3_kl", "consistency/numel", "consistency/certain_frac")},
             {"name": "Worst tokens", "panels": [{"type": "table", "title": "worst tokens per step",
                                                  "table": "consistency/worst_tokens"}]},
             {"name": "Strict vs off", "panels": _lines(

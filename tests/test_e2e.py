@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 QUIET = ["logger.progress=false", "logger.wandb.enabled=false"]
 REQUIRED = ["consistency/mismatch_count", "consistency/max_abs_diff", "consistency/mean_abs_diff",
-            "consistency/numel", "consistency/mismatch_rate", "consistency/k3_kl",
+            "consistency/numel", "consistency/mismatch_rate", "consistency/k3_kl", "consistency/certain_frac",
             "train/train_rollout_logprob_abs_diff", "rollout/reward_mean", "rollout/response_len_mean",
             "rollout/tok_per_s_per_gpu", "train/loss", "train/pg_loss", "train/kl_loss", "train/entropy",
             "train/grad_norm", "train/lr", "perf/step_s", "perf/rollout_s", "perf/train_s", "perf/logp_s",
@@ -29,6 +29,7 @@ def test_tiny_cpu_strict_short_run(ray_session, tmp_path, capsys):
     for r in rows:
         assert r["consistency/mismatch_count"] == 0 and r["consistency/numel"] > 0
         assert r["train/tis_differ"] == 0  # the loss's rollout/trainer importance ratio is exactly 1
+        assert r["consistency/certain_frac"] < 0.5  # an uncertain policy: the agreement means something
         missing = [k for k in REQUIRED if k not in r]
         assert not missing, missing
     assert rows[-1]["rollout/weights_version"] == 3  # one sync per step, verified each time
@@ -46,6 +47,16 @@ def test_tiny_cpu_strict_short_run(ray_session, tmp_path, capsys):
     assert f"FileExistsError: hydra.run.dir={tmp_path} already holds a run" in capsys.readouterr().err
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_collapsed_policy_is_flagged(ray_session, tmp_path):
+    """lr 1.0 makes tiny-cpu certain of its tokens by step 3: every logprob then agrees as 0.0 on both
+    sides whatever the kernels do, and the run says so once (the qwen3-1.7b-1gpu recipe's old lr did this)."""
+    assert _run(tmp_path, "trainer.steps=3", "actor.lr=1.0", *QUIET) == 0
+    frac = [r["consistency/certain_frac"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert frac[0] < 0.5 and frac[-1] >= 0.9, frac
+    log = (tmp_path / "lockstep.log").read_text()
+    assert log.count("compared logprobs are exactly 0.0 on both sides") == 1, log[-2000:]
 
 
 @pytest.mark.parametrize("route", [[], ["rollout.top_p=0.9"], ["rollout.top_k=20"], ["rollout.top_k=4", "rollout.top_p=0.8"]],

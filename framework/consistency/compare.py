@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 import torch
 
 
+# A step where at least this share of the compared logprobs is exactly 0.0 on both sides gets a warning.
+VACUOUS_CERTAIN_FRAC = 0.9
+
+
 class LockstepMismatchError(RuntimeError):
     """Strict mode: the trainer's logprob of some token differs from the rollout's."""
 
@@ -36,15 +40,30 @@ class ConsistencyReport:
     k3_kl: float
     first_mismatch: TokenDiff | None
     worst: list[TokenDiff] = field(default_factory=list)
+    certain: int = 0  # compared logprobs exactly 0.0 on both sides (probability 1: they agree trivially)
 
     @property
     def mismatch_rate(self) -> float:
         return self.mismatch_count / max(1, self.numel)
 
+    @property
+    def certain_frac(self) -> float:
+        return self.certain / max(1, self.numel)
+
+    def vacuous(self) -> str | None:
+        """Why this step's agreement says little, or None: a policy that is certain of nearly every
+        token it samples (collapsed, e.g. by too large a learning rate) reports logprob 0.0 on both
+        sides whatever their kernels do."""
+        if self.numel and self.certain_frac >= VACUOUS_CERTAIN_FRAC:
+            return (f"{self.certain} of {self.numel} compared logprobs are exactly 0.0 on both sides (the policy is "
+                    f"certain of its tokens, e.g. collapsed by too large an actor.lr): their agreement checks nothing")
+        return None
+
     def metrics(self) -> dict[str, float]:
         return {"consistency/mismatch_count": self.mismatch_count, "consistency/numel": self.numel,
                 "consistency/max_abs_diff": self.max_abs_diff, "consistency/mean_abs_diff": self.mean_abs_diff,
                 "consistency/mismatch_rate": self.mismatch_rate, "consistency/k3_kl": self.k3_kl,
+                "consistency/certain_frac": self.certain_frac,
                 # the same number under the name slime users chart
                 "train/train_rollout_logprob_abs_diff": self.mean_abs_diff}
 
@@ -69,8 +88,9 @@ def compare_logp(rollout_logp: torch.Tensor, train_logp: torch.Tensor, mask: tor
     order = torch.argsort(diff.flatten(), descending=True, stable=True)[:worst_k]
     worst = [token(i // diff.shape[1], i % diff.shape[1]) for i in order.tolist()
              if mask.flatten()[i] and diff.flatten()[i] > 0]
+    certain = int(((a == 0) & (b == 0) & mask).sum())
     return ConsistencyReport(n, int(differs.sum()), float(diff.max()) if n else 0.0,
-                             float(diff[mask].mean()) if n else 0.0, k3, first, worst)
+                             float(diff[mask].mean()) if n else 0.0, k3, first, worst, certain)
 
 
 def raise_on_mismatch(report: ConsistencyReport, step: int, hint: str = "") -> None:
