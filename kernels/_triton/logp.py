@@ -65,11 +65,15 @@ TILE_CONFIGS = {
     # fp32: tl.dot(input_precision="ieee") on FMA units, operands in registers: small tiles.
     torch.float32: TileConfig(block_v=32, block_k=32, num_stages=2),
 }
-# Rows per program -> warps, largest first; a call takes the largest that still gives every SM a
-# program. One warp per 16 rows keeps each row of a 16-bit (wgmma) accumulator inside one warp (its
-# max and sums never cross warps), and no choice is below 64 rows, so Hopper always runs the dot as
-# wgmma, never as mma.sync (an instruction whose rounding has not been checked to be the same).
+# Rows per program -> warps, largest first; a call takes the largest whose programs fill at least
+# MIN_WAVE_FILL of the waves they take (one program per SM a wave). 64-row programs multiply at about
+# 0.7x the rate of 128-row ones (benchmarks/sweep_logp.py, H200, T=4096: 1.71x vs 1.18x the bare
+# GEMM), so 128 rows win unless they leave about a third of the machine idle. One warp per 16 rows
+# keeps each row of a 16-bit (wgmma) accumulator inside one warp (its max and sums never cross
+# warps), and no choice is below 64 rows, so Hopper always runs the dot as wgmma, never as mma.sync
+# (an instruction whose rounding has not been checked to be the same).
 BLOCK_T_WARPS = {128: 8, 64: 4}
+MIN_WAVE_FILL = 0.7
 GROUP_T = 8  # row blocks that sweep the vocab together: their weight tiles are shared in L2
 # The backward holds the dlogits of one slice of whole chunks: at most BACKWARD_SLICE_CHUNKS chunks
 # (a quarter of the vocab: ~2 bytes per logit against the naive path's ~18, at any T) and at most
@@ -315,10 +319,13 @@ def _launch_args(hidden, weight, targets, bias, temperature, *, width, vocab_sta
 
 
 def _block_t(n_rows: int, n_col_tiles: int, device: torch.device) -> int:
-    """The largest row block that still gives every SM a program (speed only: no row's numerics
-    depend on it)."""
+    """The largest row block whose programs fill at least MIN_WAVE_FILL of their waves, else the
+    smallest (speed only: no row's numerics depend on it). T=256 on a 64-chunk vocab: 128 programs of
+    128 rows on 132 SMs, one wave 97% full (64-row blocks took 3.7x the bare GEMM's time there)."""
+    sms = resident_programs(device)
     for block in BLOCK_T_WARPS:
-        if triton.cdiv(n_rows, block) * n_col_tiles >= resident_programs(device):
+        programs = triton.cdiv(n_rows, block) * n_col_tiles
+        if programs / (triton.cdiv(programs, sms) * sms) >= MIN_WAVE_FILL:
             return block
     return block
 
