@@ -320,8 +320,9 @@ def _launch_args(hidden, weight, targets, bias, temperature, *, width, vocab_sta
 
 def _block_t(n_rows: int, n_col_tiles: int, device: torch.device) -> int:
     """The largest row block whose programs fill at least MIN_WAVE_FILL of their waves, else the
-    smallest (speed only: no row's numerics depend on it). T=256 on a 64-chunk vocab: 128 programs of
-    128 rows on 132 SMs, one wave 97% full (64-row blocks took 3.7x the bare GEMM's time there)."""
+    smallest (speed only: no row's numerics depend on it). T=256 on a 64-chunk vocab: 128 programs
+    of 128 rows on 132 SMs, one wave 97% full (with 64-row blocks the forward took 3.7x the bare
+    GEMM, timed eagerly)."""
     sms = resident_programs(device)
     for block in BLOCK_T_WARPS:
         programs = triton.cdiv(n_rows, block) * n_col_tiles
