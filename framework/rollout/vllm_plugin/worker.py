@@ -55,6 +55,13 @@ def _replaces(model, fault: str) -> bool:
     return bool(model.lockstep_ops.selection.logp) or fault != "none"  # P and no fault: vLLM's own logprob stands
 
 
+def _all_greedy(all_greedy: bool, any_greedy: bool) -> bool:
+    """Whether the batch is greedy (no temperature to replay); a batch of both kinds is refused."""
+    if any_greedy and not all_greedy:
+        raise RuntimeError("a batch mixing greedy and sampled requests is not supported by lockstep")
+    return all_greedy
+
+
 class LockstepSampler(Sampler):
     """The V1 model runner's sampler (vLLM's CPU build), followed by the lockstep logprob of each
     sampled token (when the logp module is R)."""
@@ -64,19 +71,16 @@ class LockstepSampler(Sampler):
         self.lockstep_model, self.fault = model, fault
 
     def forward(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
-        if predict_bonus_token:
-            raise RuntimeError("speculative decoding is not covered by lockstep's logprob replacement")
         out = super().forward(logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
         lt = out.logprobs_tensors
         if lt is None or not _replaces(self.lockstep_model, self.fault):  # no logprobs requested (vLLM's profiling batch among them)
             return out
         temperature, restricted = None, False
-        if not sampling_metadata.all_greedy:
-            if not sampling_metadata.all_random:
-                raise RuntimeError("a batch mixing greedy and sampled requests is not supported by lockstep")
-            temperature = sampling_metadata.temperature.float()
+        md = sampling_metadata
+        if not _all_greedy(md.all_greedy, not md.all_random):
+            temperature = md.temperature.float()
             # vLLM leaves top_p / top_k None when no request of the batch restricts its support
-            restricted = sampling_metadata.top_p is not None or sampling_metadata.top_k is not None
+            restricted = md.top_p is not None or md.top_k is not None
         replace_sampled_logprob(self.lockstep_model, self.fault, lt, out.sampled_token_ids[:, 0].long(), temperature,
                                 restricted)
         return out
@@ -99,14 +103,10 @@ def sampler_v2(base, model, fault: str):
             lt = out.logprobs_tensors
             if lt is None or not _replaces(model, fault):
                 return out
-            if logits.shape[0] != input_batch.num_reqs:
-                raise RuntimeError("speculative decoding is not covered by lockstep's logprob replacement")
             states, rows = self.sampling_states, input_batch.idx_mapping_np
             greedy = states.temperature.np[rows] == 0.0
             temperature, restricted = None, False
-            if not greedy.all():
-                if greedy.any():
-                    raise RuntimeError("a batch mixing greedy and sampled requests is not supported by lockstep")
+            if not _all_greedy(bool(greedy.all()), bool(greedy.any())):
                 temperature = states.temperature.gpu[input_batch.expanded_idx_mapping]
                 restricted = bool((states.top_k.np[rows] != states.vocab_size).any() or (states.top_p.np[rows] != 1.0).any())
             replace_sampled_logprob(model, fault, lt, out.sampled_token_ids[:, 0].long(), temperature, restricted)
@@ -122,7 +122,7 @@ class LockstepWorkerExtension:
         """After start-up: the sampler hook, and the weight receiver expecting these HF names."""
         runner = self.model_runner
         fault = (plugin_determinism() or {}).get("inject_fault", "none")
-        if runner.vllm_config.speculative_config is not None:
+        if runner.vllm_config.speculative_config is not None:  # checked once here, not per sampled batch
             raise RuntimeError("speculative decoding is not covered by lockstep's logprob replacement")
         if isinstance(runner.sampler, Sampler):  # the V1 runner's (an nn.Module)
             runner.sampler = LockstepSampler(runner.sampler, runner.get_model(), fault)
