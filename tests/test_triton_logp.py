@@ -331,14 +331,14 @@ def _qwen3_head(t, *, seed=0):
 def test_gpu_row0_bitwise_across_batch_sizes_qwen3():
     hidden, weight, targets = _qwen3_head(1)
     rows = {}
-    for t in (1, 64, 4096):  # 64- and 128-row blocks
+    for t in (1, 64, 256, 4096):  # 64- and 128-row blocks (T = 256: one wave of 128-row programs)
         batch = torch.randn(t, QWEN3_H, device="cuda").bfloat16()
         batch[0] = hidden[0]
         tgt = torch.randint(0, QWEN3_V, (t,), device="cuda")
         tgt[0] = targets[0]
         out = K.linear_logp(batch, weight, tgt, temperature=0.8, with_entropy=True)
         rows[t] = torch.stack([out.logp[0], out.entropy[0]])
-    assert torch.equal(rows[1], rows[64]) and torch.equal(rows[1], rows[4096])
+    assert all(torch.equal(rows[1], rows[t]) for t in (64, 256, 4096))
 
 
 def _fp32_naive(hidden, weight, targets):
