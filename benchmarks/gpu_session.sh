@@ -22,7 +22,8 @@
 #   decode      benchmarks/bench_decode.py (where a strict decode step spends its time; split-K vs cuBLAS)
 #               (decode, kernels and sweeps need only torch and triton: no carried wheels)
 #   kernels     benchmarks/kernels.py (all kernel tables)
-#   sweep_rowtree benchmarks/sweep_rowtree.py (row-parallel GEMM: tile x loop x split vs cuBLAS)
+#   sweep_rowtree benchmarks/sweep_rowtree.py $SWEEP_ARGS (K-chunk tree GEMM: tile x loop x split vs cuBLAS
+#               and `linear`; default the row-parallel shapes, `--shapes column --chunks 2` the column ones)
 #   attention   benchmarks/bench_attention.py (tables $ATTENTION_TABLES, default training,prefill,decode)
 #   sweep_attention benchmarks/sweep_attention.py (attention forward: tile, load schedule x stages, bitwise-checked;
 #               entries $SWEEP_ENTRIES, default decode,prefill)
@@ -92,7 +93,8 @@ for stage in "$@"; do
     rollout) need_site; timeout 590 python3 benchmarks/bench_rollout.py "$OUT/rollout.md" ${ROLLOUT_ARGS:-} > "$OUT/rollout.log" 2>&1
              tail -20 "$OUT/rollout.log" ;;
     decode)  link_lockstep; timeout 300 python3 benchmarks/bench_decode.py "$OUT/decode.md" > "$OUT/decode.log" 2>&1; tail -40 "$OUT/decode.log" ;;
-    sweep_rowtree) link_lockstep; timeout 330 python3 benchmarks/sweep_rowtree.py "$OUT/sweep_rowtree.md" > "$OUT/sweep_rowtree.log" 2>&1
+    sweep_rowtree) link_lockstep; timeout 560 python3 benchmarks/sweep_rowtree.py "$OUT/sweep_rowtree.md" ${SWEEP_ARGS:-} \
+               > "$OUT/sweep_rowtree.log" 2>&1
              tail -40 "$OUT/sweep_rowtree.log" ;;
     sweep_attention) link_lockstep; timeout 330 python3 benchmarks/sweep_attention.py --entries "${SWEEP_ENTRIES:-decode,prefill}" \
                > "$OUT/sweep_attention.log" 2>&1; grep -E "BEST|DIFFER|failed" "$OUT/sweep_attention.log" ;;

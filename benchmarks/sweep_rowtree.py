@@ -1,48 +1,63 @@
-"""Sweep of the row-parallel GEMM (kernels/_triton/splitk.py) on the GPU at hand: tile config x
-programs per tile (split 1: one loop over all chunks; split > 1: one loop per chunk), bf16, the
-Qwen3-8B o_proj / down_proj shapes, vs cuBLAS.
+"""Sweep of the K-chunk tree GEMM (kernels/_triton/splitk.py) on the GPU at hand: tile config x
+programs per tile (split 1: one loop over all chunks; split > 1: one loop per chunk), bf16, vs
+cuBLAS and vs the plain `linear` kernel.
 
-    python benchmarks/sweep_rowtree.py [OUT.md]
+    python benchmarks/sweep_rowtree.py [OUT.md]                      # the row-parallel GEMM as it runs:
+                                                                     # o_proj / down_proj, 8 chunks
+    python benchmarks/sweep_rowtree.py OUT.md --shapes column --chunks 2
+        # what a K-chunk tree would give the column-parallel projections (qkv, gate_up), whose
+        # `linear` has no split at small M (issue 15); chunks 2 keeps one pending subtree per program
 
 Every candidate computes the same bits (tile and split decide only which program
 computes an element and where a sum is done): each is checked bitwise against the default before
-it is timed. Prints, per (shape, M), cuBLAS and the default's time and the best candidate; then each
-candidate's geometric-mean ratio over the Ms of a bucket.
+it is timed. Prints, per (shape, M), cuBLAS, `linear` and the default's time and the best candidate;
+then each candidate's geometric-mean ratio over the Ms of a bucket.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 
 import torch
 
 from _harness import emit, graph_ms_per_call
+import lockstep.kernels as K
 from lockstep.kernels._triton.matmul_configs import GemmConfig as G
 from lockstep.kernels._triton.splitk import row_tree
 
-SHAPES = [("o_proj", 4096, 4096), ("down", 12288, 4096)]
-MS = [1, 8, 64, 256, 1024, 4096]
+SHAPES = {"row": [("o_proj", 4096, 4096), ("down", 12288, 4096)],
+          "column": [("qkv", 4096, 6144), ("gate_up", 4096, 24576)]}  # (name, K, N) of Qwen3-8B
+MS = [1, 8, 64, 128, 256, 1024, 4096]
 CONFIGS = [G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4), G(128, 64, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 128, 8, 4, 4)]
-SPLITS = [None, 1, 2, 8]  # None: split_for's choice
+SPLITS = [None, 1, 2, 8]  # None: split_for's choice; splits above the chunk count are skipped
 
 
 def main() -> None:
-    out = sys.argv[1] if len(sys.argv) > 1 else None
-    lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}\n",
-             "| shape | M | cuBLAS us | default us | default ratio | best candidate | best us | best ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", nargs="?")
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="row")
+    p.add_argument("--chunks", type=int, choices=(2, 4, 8), default=8, help="K chunks of the tree")
+    args = p.parse_args()
+    K.set_backend("triton")
+    lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shapes} shapes, "
+             f"{args.chunks} K chunks\n",
+             "| shape | M | cuBLAS us | linear ratio | default us | default ratio | best candidate | best us | best ratio |",
+             "|---|---|---|---|---|---|---|---|---|"]
     scores: dict[tuple, list[float]] = {}
-    for name, k, n in SHAPES:
+    for name, k, n in SHAPES[args.shapes]:
         w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
-        chunk = k // 8
+        chunk = k // args.chunks
         for m in MS:
             x = torch.randn(m, k, device="cuda").bfloat16()
             ref = row_tree(x, w, chunk, x.dtype)
             cublas = graph_ms_per_call(lambda: x @ w.t()) * 1e3
+            linear = graph_ms_per_call(lambda: K.linear(x, w)) * 1e3
             default = graph_ms_per_call(lambda: row_tree(x, w, chunk, x.dtype)) * 1e3
             best = (default, "default")
             for cfg in CONFIGS:
                 for split in SPLITS:
+                    if split and split > args.chunks:
+                        continue
                     key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm,
                            split or "auto")
                     fn = lambda: row_tree(x, w, chunk, x.dtype, split=split, config=cfg)  # noqa: E731
@@ -57,15 +72,15 @@ def main() -> None:
                     scores.setdefault(key, []).append((m, cublas / us))
                     if us < best[0]:
                         best = (us, str(key))
-            lines.append(f"| {name} | {m} | {cublas:.1f} | {default:.1f} | {cublas / default:.3f} | {best[1]} | "
-                         f"{best[0]:.1f} | {cublas / best[0]:.3f} |")
+            lines.append(f"| {name} | {m} | {cublas:.1f} | {cublas / linear:.3f} | {default:.1f} | {cublas / default:.3f} "
+                         f"| {best[1]} | {best[0]:.1f} | {cublas / best[0]:.3f} |")
             print(lines[-1], flush=True)
     lines += ["", "Geometric-mean ratio to cuBLAS per candidate (tile, warps, stages, programs/SM, split):", ""]
-    for bucket in ([1, 8, 64], [256], [1024], [4096]):
+    for bucket in ([1, 8, 64], [128], [256], [1024], [4096]):
         ranked = sorted(((statistics.geometric_mean([r for m, r in v if m in bucket]), key)
                          for key, v in scores.items() if any(m in bucket for m, _ in v)), reverse=True)
         lines.append(f"M in {bucket}: " + "; ".join(f"{key} {r:.3f}" for r, key in ranked[:6]))
-    emit(lines, out)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":
