@@ -21,7 +21,8 @@
 #   rollout     benchmarks/bench_rollout.py (stock vLLM, batch-invariant, lockstep, native)
 #   decode      benchmarks/bench_decode.py (where a strict decode step spends its time; split-K vs cuBLAS)
 #               (decode, kernels and sweeps need only torch and triton: no carried wheels)
-#   kernels     benchmarks/kernels.py (all kernel tables)
+#   kernels     benchmarks/kernels.py (all kernel tables; the attention tables add vLLM's FA3 as a baseline
+#               where vLLM is installed in /tmp/site: run vllm_a, vllm_b earlier on the same machine)
 #   sweep_rowtree benchmarks/sweep_rowtree.py $SWEEP_ARGS (K-chunk tree GEMM: tile x loop x split vs cuBLAS
 #               and `linear`; default the row-parallel shapes, `--shapes column --chunks 2` the column ones)
 #   attention   benchmarks/bench_attention.py (tables $ATTENTION_TABLES, default training,prefill,decode)
