@@ -108,9 +108,7 @@ def with_fa3(best: tuple[float, str], timer, q, batch: int, context: int, causal
             notes.append(why)
         return best
     per = q.shape[0] // batch
-    pages = batch * (context // PAGE)
-    k_cache, v_cache = (_randn(pages, PAGE, KV_HEADS, HEAD_DIM) for _ in range(2))
-    table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, context // PAGE)
+    k_cache, v_cache, table = _paged_cache(batch, context, vllm_layout=True)
     seqused = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     cu_q = torch.arange(0, q.shape[0] + 1, per, device="cuda", dtype=torch.int32)
     out = torch.empty_like(q)
@@ -167,10 +165,12 @@ def training_table() -> str:
     return markdown_table("Training: varlen_attention forward+backward vs the fastest torch SDPA (causal)", columns, rows)
 
 
-def _paged_cache(batch: int, context: int):
-    """K/V caches [pages, 8, PAGE, 128] with each request's pages in random order, and its table."""
+def _paged_cache(batch: int, context: int, vllm_layout: bool = False):
+    """K/V caches [pages, 8, PAGE, 128] (vllm_layout: vLLM's [pages, PAGE, 8, 128]) with each
+    request's pages in random order, and its table."""
     pages = batch * (context // PAGE)
-    k_cache, v_cache = _randn(pages, KV_HEADS, PAGE, HEAD_DIM), _randn(pages, KV_HEADS, PAGE, HEAD_DIM)
+    shape = (pages, PAGE, KV_HEADS, HEAD_DIM) if vllm_layout else (pages, KV_HEADS, PAGE, HEAD_DIM)
+    k_cache, v_cache = _randn(*shape), _randn(*shape)
     table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, context // PAGE)
     return k_cache, v_cache, table
 
