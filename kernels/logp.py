@@ -153,18 +153,16 @@ def merge_tree(m: torch.Tensor, s: torch.Tensor, w: torch.Tensor | None):
         m = F.pad(m, (0, width - n), value=_NEG_INF)
         s = F.pad(s, (0, width - n))
         w = F.pad(w, (0, width - n)) if w is not None else None
-    while width > 1:  # a level: left half [..., 0, :] meets right half [..., 1, :]
+    while width > 1:
         width //= 2
-        halves = m.unflatten(-1, (2, width))
-        mm = torch.maximum(halves[..., 0, :], halves[..., 1, :])
-        # both halves' rescale factors in one launch (the same elementwise values as one per half:
-        # a decode step's logprob replay runs this merge outside the CUDA graph, launch by launch)
-        a = torch.exp(halves - _safe(mm).unsqueeze(-2))
-        scaled = s.unflatten(-1, (2, width)) * a
-        s = scaled[..., 0, :] + scaled[..., 1, :]
+        m1, m2 = m[..., :width], m[..., width:]
+        mm = torch.maximum(m1, m2)
+        ref = _safe(mm)
+        a1 = torch.exp(m1 - ref)
+        a2 = torch.exp(m2 - ref)
+        s = s[..., :width] * a1 + s[..., width:] * a2
         if w is not None:
-            scaled = w.unflatten(-1, (2, width)) * a
-            w = scaled[..., 0, :] + scaled[..., 1, :]
+            w = w[..., :width] * a1 + w[..., width:] * a2
         m = mm
     return m[..., 0], s[..., 0], (w[..., 0] if w is not None else None)
 
