@@ -10,7 +10,8 @@
 #    carry .gpu-wheels/a in that call)
 # Run stages:
 #   site        only the install of .gpu-wheels/a (a fresh machine's first call, before vllm_a)
-#   tests       pytest -m gpu (kernels, attention, logp, CUDA-graph capture, TP emulation)
+#   tests       pytest -m gpu (kernels, attention, logp, CUDA-graph capture, TP emulation; $GPU_TESTS picks
+#               the files, $TESTS_TIMEOUT the limit, default 400 s)
 #   vllm_tests  pytest -m gpu tests/test_vllm_gpu.py (vLLM + lockstep, bf16, CUDA graphs, bitwise)
 #   e2e         qwen3-1.7b-1gpu (megatron actor + native engine), strict and off
 #   e2e_vllm    qwen3-1.7b-1gpu rollout=vllm, $E2E_MODES (default strict,off; top_p 0.9, temperature 0.7,
@@ -23,8 +24,9 @@
 #               (decode, kernels and sweeps need only torch and triton: no carried wheels)
 #   kernels     benchmarks/kernels.py (all kernel tables; the attention tables add vLLM's FA3 as a baseline
 #               where vLLM is installed in /tmp/site: run vllm_a, vllm_b earlier on the same machine)
-#   sweep_rowtree benchmarks/sweep_rowtree.py $SWEEP_ARGS (K-chunk tree GEMM: tile x loop x split vs cuBLAS
-#               and `linear`; default the row-parallel shapes, `--shapes column --chunks 2` the column ones)
+#   sweep_rowtree benchmarks/sweep_rowtree.py $SWEEP_ARGS (K-chunk tree GEMM: tile x kernel x split vs cuBLAS
+#               and `linear`; default the row-parallel shapes, `--shapes column --chunks 2` the column ones;
+#               logs named after the args, so one call can run several; $SWEEP_TIMEOUT, default 560 s)
 #   attention   benchmarks/bench_attention.py (tables $ATTENTION_TABLES, default training,prefill,decode)
 #   sweep_attention benchmarks/sweep_attention.py (attention forward: tile, load schedule x stages, bitwise-checked;
 #               entries $SWEEP_ENTRIES, default decode,prefill)
@@ -68,7 +70,7 @@ for stage in "$@"; do
     vllm_a)  mkdir -p /tmp/vc/chunks && cp .gpu-vllm/chunks/00 /tmp/vc/chunks/ && ls -la /tmp/vc/chunks ;;
     vllm_b)  mkdir -p /tmp/vc/chunks && cp .gpu-vllm/chunks/01 .gpu-vllm/chunks/MANIFEST /tmp/vc/chunks/ \
                && cp .gpu-vllm/install.sh /tmp/vc/ && (cd /tmp/vc && TARGET=/tmp/site bash install.sh) 2>&1 | tail -5 ;;
-    tests)   need_site; timeout 400 python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/test_triton_kernels.py tests/test_triton_logp.py \
+    tests)   need_site; timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/test_triton_kernels.py tests/test_triton_logp.py \
                tests/test_attention.py tests/test_tp_invariance.py} -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     vllm_tests) need_site; timeout 400 python3 -m pytest -q -m gpu tests/test_vllm_gpu.py -p no:cacheprovider -x 2>&1 \
                | tee "$OUT/vllm_gpu_tests.log" | grep -v "Logging error\|I/O operation" | tail -30 ;;
@@ -94,9 +96,10 @@ for stage in "$@"; do
     rollout) need_site; timeout 590 python3 benchmarks/bench_rollout.py "$OUT/rollout.md" ${ROLLOUT_ARGS:-} > "$OUT/rollout.log" 2>&1
              tail -20 "$OUT/rollout.log" ;;
     decode)  link_lockstep; timeout 300 python3 benchmarks/bench_decode.py "$OUT/decode.md" > "$OUT/decode.log" 2>&1; tail -40 "$OUT/decode.log" ;;
-    sweep_rowtree) link_lockstep; timeout 560 python3 benchmarks/sweep_rowtree.py "$OUT/sweep_rowtree.md" ${SWEEP_ARGS:-} \
-               > "$OUT/sweep_rowtree.log" 2>&1
-             tail -40 "$OUT/sweep_rowtree.log" ;;
+    sweep_rowtree) link_lockstep; tag=$(printf %s "${SWEEP_ARGS:-}" | tr -cs 'a-z0-9' '_')
+             timeout ${SWEEP_TIMEOUT:-560} python3 benchmarks/sweep_rowtree.py "$OUT/sweep_rowtree$tag.md" ${SWEEP_ARGS:-} \
+               > "$OUT/sweep_rowtree$tag.log" 2>&1
+             tail -40 "$OUT/sweep_rowtree$tag.log" ;;
     sweep_attention) link_lockstep; timeout 330 python3 benchmarks/sweep_attention.py --entries "${SWEEP_ENTRIES:-decode,prefill}" \
                > "$OUT/sweep_attention.log" 2>&1; grep -E "BEST|DIFFER|failed" "$OUT/sweep_attention.log" ;;
     attention) link_lockstep; timeout 330 python3 benchmarks/bench_attention.py --tables "${ATTENTION_TABLES:-training,prefill,decode}" \

@@ -1,16 +1,18 @@
 """Sweep of the K-chunk tree GEMM (kernels/_triton/splitk.py) on the GPU at hand: tile config x
-programs per tile (split 1: one loop over all chunks; split > 1: one loop per chunk), bf16, vs
-cuBLAS and vs the plain `linear` kernel.
+programs per tile (split 1: the persistent kernel, one flat loop over every tile's chunks, pending
+subtrees held in L2; split > 1: the split kernel, one loop per chunk), bf16, vs cuBLAS and vs the
+plain `linear` kernel.
 
     python benchmarks/sweep_rowtree.py [OUT.md]                      # the row-parallel GEMM as it runs:
                                                                      # o_proj / down_proj, 8 chunks
     python benchmarks/sweep_rowtree.py OUT.md --shapes column --chunks 2
         # what a K-chunk tree would give the column-parallel projections (qkv, gate_up), whose
-        # `linear` has no split at small M (issue 15); chunks 2 keeps one pending subtree per program
+        # `linear` has no split at small M (issue 15)
 
-Every candidate computes the same bits (tile and split decide only which program
-computes an element and where a sum is done): each is checked bitwise against the default before
-it is timed. Prints, per (shape, M), cuBLAS, `linear` and the default's time and the best candidate;
+Every candidate computes the same bits (tile and split decide only which program computes an
+element and where a sum is done): each is checked bitwise against the default before it is
+timed. Split candidates run where tiles are few (M <= 256), the persistent ones where they are many
+(M >= 128). Prints, per (shape, M), cuBLAS, `linear` and the default's time and the best candidate;
 then each candidate's geometric-mean ratio over the Ms of a bucket.
 """
 from __future__ import annotations
@@ -27,9 +29,18 @@ from lockstep.kernels._triton.splitk import row_tree
 
 SHAPES = {"row": [("o_proj", 4096, 4096), ("down", 12288, 4096)],
           "column": [("qkv", 4096, 6144), ("gate_up", 4096, 24576)]}  # (name, K, N) of Qwen3-8B
-MS = [1, 8, 64, 128, 256, 1024, 4096]
-CONFIGS = [G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4), G(128, 64, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 128, 8, 4, 4)]
-SPLITS = [None, 1, 2, 8]  # None: split_for's choice; splits above the chunk count are skipped
+MS = [1, 8, 64, 128, 256, 512, 1024, 4096]
+SPLIT_CONFIGS = [G(64, 128, 8, 4, 4), G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4)]
+SPLITS = [None, 2, 8]  # None: split_for's choice; splits above the chunk count are skipped
+PERSISTENT_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 8, 4), G(64, 128, 8, 4, 4),
+                      G(128, 64, 8, 4, 4)]
+
+
+def candidates(m: int, chunks: int):
+    if m <= 256:
+        yield from ((cfg, split) for cfg in SPLIT_CONFIGS for split in SPLITS if not split or split <= chunks)
+    if m >= 128:
+        yield from ((cfg, 1) for cfg in PERSISTENT_CONFIGS)
 
 
 def main() -> None:
@@ -54,29 +65,25 @@ def main() -> None:
             linear = graph_ms_per_call(lambda: K.linear(x, w)) * 1e3
             default = graph_ms_per_call(lambda: row_tree(x, w, chunk, x.dtype)) * 1e3
             best = (default, "default")
-            for cfg in CONFIGS:
-                for split in SPLITS:
-                    if split and split > args.chunks:
-                        continue
-                    key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm,
-                           split or "auto")
-                    fn = lambda: row_tree(x, w, chunk, x.dtype, split=split, config=cfg)  # noqa: E731
-                    try:
-                        got = fn()
-                    except Exception as e:  # noqa: BLE001 - a candidate that does not compile is no winner
-                        print(f"  {name} M={m} {key}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
-                        continue
-                    if not torch.equal(got, ref):
-                        raise AssertionError(f"{name} M={m} {key}: bits differ from the default")
-                    us = graph_ms_per_call(fn) * 1e3
-                    scores.setdefault(key, []).append((m, cublas / us))
-                    if us < best[0]:
-                        best = (us, str(key))
+            for cfg, split in candidates(m, args.chunks):
+                key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm, split or "auto")
+                fn = lambda: row_tree(x, w, chunk, x.dtype, split=split, config=cfg)  # noqa: E731
+                try:
+                    got = fn()
+                except Exception as e:  # noqa: BLE001 - a candidate that does not compile is no winner
+                    print(f"  {name} M={m} {key}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
+                    continue
+                if not torch.equal(got, ref):
+                    raise AssertionError(f"{name} M={m} {key}: bits differ from the default")
+                us = graph_ms_per_call(fn) * 1e3
+                scores.setdefault(key, []).append((m, cublas / us))
+                if us < best[0]:
+                    best = (us, str(key))
             lines.append(f"| {name} | {m} | {cublas:.1f} | {cublas / linear:.3f} | {default:.1f} | {cublas / default:.3f} "
                          f"| {best[1]} | {best[0]:.1f} | {cublas / best[0]:.3f} |")
             print(lines[-1], flush=True)
     lines += ["", "Geometric-mean ratio to cuBLAS per candidate (tile, warps, stages, programs/SM, split):", ""]
-    for bucket in ([1, 8, 64], [128], [256], [1024], [4096]):
+    for bucket in ([1, 8, 64], [128], [256], [512], [1024], [4096]):
         ranked = sorted(((statistics.geometric_mean([r for m, r in v if m in bucket]), key)
                          for key, v in scores.items() if any(m in bucket for m, _ in v)), reverse=True)
         lines.append(f"M in {bucket}: " + "; ".join(f"{key} {r:.3f}" for r, key in ranked[:6]))

@@ -212,6 +212,20 @@ def test_row_tree_is_the_canonical_tree_at_every_split(dtype, k):
         row_tree(x[:, :k // 2].contiguous(), w[:, :k // 2].contiguous(), chunk, torch.float32, split=8)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # masked lanes, interpreter
+def test_persistent_row_tree_over_many_tiles_per_program():
+    """The persistent kernel (split 1) with several tiles per program: its holding tiles are reused
+    from tile to tile and chunk to chunk, and every tile still gets its own canonical tree."""
+    from lockstep.kernels.collectives import tree_sum_ranks
+    from lockstep.kernels._triton.splitk import row_tree
+
+    x, w = torch.randn(260, 64), torch.randn(72, 64)  # fp32 64x32 tiles: 5 x 3 = 15 tiles on 4 programs
+    for chunks in (8, 4, 2):
+        chunk = 64 // chunks
+        tree = tree_sum_ranks(_chunk_products(x, w, chunk))
+        assert torch.equal(row_tree(x, w, chunk, torch.float32, split=1), tree), f"{chunks} chunks"
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_row_parallel_linear_row_invariant():
     w = torch.randn(24, 64)
@@ -228,28 +242,37 @@ from lockstep.kernels._triton.matmul_configs import ROW_CONFIGS_16BIT
 out = []
 for _, cfg in ROW_CONFIGS_16BIT:
     descs = {"x_desc": f"tensordesc<bf16[{cfg.block_m}, 64]>", "w_desc": f"tensordesc<bf16[{cfg.block_n}, 64]>",
-             "out_ptr": "*bf16", "ws_ptr": "*fp32", "ticket_ptr": "*i32"}
-    for split in (1, 2, 4, 8):
-        ce = dict(CHUNKS=8, SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=64, GROUP_M=cfg.group_m,
-                  WIDEN_OPERANDS=False, PER_CHUNK_LOOPS=split > 1)  # as row_tree launches it
-        r = compile_sm90(S._row_tree_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
+             "out_ptr": "*bf16", "ws_ptr": "*fp32", "ticket_ptr": "*i32", "hold_ptr": "*fp32"}
+    common = dict(CHUNKS=8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=64, GROUP_M=cfg.group_m,
+                  WIDEN_OPERANDS=False)  # as row_tree launches them
+    r = compile_sm90(S._row_tree_persistent_kernel, lambda n: descs.get(n, "i32"), dict(common, COMPILED=True),
+                     cfg.num_warps, cfg.num_stages)
+    out.append(dict(r, tile=[cfg.block_m, cfg.block_n], split=1))
+    for split in (2, 4, 8):
+        r = compile_sm90(S._row_tree_split_kernel, lambda n: descs.get(n, "i32"), dict(common, SPLIT=split),
+                         cfg.num_warps, cfg.num_stages)
         out.append(dict(r, tile=[cfg.block_m, cfg.block_n], split=split))
 print(json.dumps(out))
 """
 
 
 def test_row_tree_compiles_to_wgmma():
-    """Compiled for sm_90 (bf16), the row-parallel tile at every subtree split runs its dots as
-    wgmma (the instruction whose bits the GEMM buckets share). The split-2 subtree (4 chunks, one
-    loop each: the 8B decode and prefill shapes) keeps its tree in registers; split 1 (four 64x128
-    fp32 tiles live: 256 registers a thread) and the split-8 root (eight tiles loaded at once)
-    spill a little, and were still the fastest measured (benchmarks/sweep_rowtree.py)."""
+    """Compiled for sm_90 (bf16), both row-parallel kernels run their dots as wgmma (the instruction
+    whose bits the GEMM buckets share) with every tile of the table. The persistent kernel (split 1)
+    keeps its flat loop pipelined, one wgmma in flight across the joins (a barrier the pipeliner
+    sees, or a join reading a register-held subtree, made it wait for every wgmma), and spills
+    nothing; so does the split-2 subtree of the small-M tile (4 chunks, one loop each: the 8B decode
+    shapes). The small tile's split-8 root (eight tiles loaded at once) spills a little."""
+    from lockstep.kernels._triton.matmul_configs import row_config_for
     from sm90 import probe
 
     results = probe(_ROW_TREE_PROBE)
     for r in results:
         assert {version for version, _ in r["mma"]} == {"3"}, r
-    assert [r["spill_bytes"] for r in results if r["split"] == 2] == [0], results
+    persistent = [r for r in results if r["split"] == 1]
+    assert all(1 in r["wgmma_waits"] and r["spill_bytes"] == 0 for r in persistent), persistent
+    small = row_config_for(1, torch.bfloat16)
+    assert [r["spill_bytes"] for r in results if r["split"] == 2 and r["tile"] == [small.block_m, small.block_n]] == [0]
 
 
 # ---------------------------------------------------------------- RMSNorm

@@ -67,13 +67,16 @@ CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 ]
 
 
-# The row-parallel GEMM (splitk.py). One 64x128 tile on one warpgroup at every M: the best of the
-# sweep (benchmarks/sweep_rowtree.py, H200, RESULTS.md) at M = 1 .. 4096 on the o_proj and down_proj
-# shapes, against 64x64, 128x64, 128x128 and two-warpgroup tiles. programs_per_sm is the program count
-# the subtree split aims for at small M (programs = tiles x split); like every field here it never
-# changes the bits.
+# The row-parallel GEMM (splitk.py). Small M (fewer tiles than SMs: the split kernel): one 64x128
+# tile on one warpgroup, the best of the sweep (benchmarks/sweep_rowtree.py, H200, RESULTS.md) at
+# M = 1 .. 256 on the o_proj and down_proj shapes against 64x64, 128x64, 128x128 and two-warpgroup
+# tiles. Large M (the persistent kernel, pending subtrees held in L2): 128x128 on two warpgroups, the
+# smallest tile whose operand traffic per MMA lets an SM run near the tensor cores' rate (a 64x128
+# tile reads 1.5x the bytes per product). programs_per_sm is the program count the subtree split
+# aims for at small M (programs = tiles x split); like every field here it never changes the bits.
 ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
-    (None, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
+    (512, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
+    (None, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, programs_per_sm=1)),
 ]
 ROW_CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
     (None, GemmConfig(block_m=64, block_n=32, group_m=8, num_warps=4, num_stages=2, programs_per_sm=2)),
