@@ -31,7 +31,7 @@ SHAPES = {"row": [("o_proj", 4096, 4096), ("down", 12288, 4096)],
           "column": [("qkv", 4096, 6144), ("gate_up", 4096, 24576)]}  # (name, K, N) of Qwen3-8B
 MS = [1, 8, 64, 128, 256, 512, 1024, 4096]
 SPLIT_CONFIGS = [G(64, 128, 8, 4, 4), G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4)]
-SPLITS = [None, 2, 8]  # None: split_for's choice; splits above the chunk count are skipped
+SPLITS = [None, 2, 4, 8]  # None: split_for's choice; splits above the chunk count are skipped
 PERSISTENT_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 8, 4), G(64, 128, 8, 4, 4),
                       G(128, 64, 8, 4, 4)]
 
