@@ -2,6 +2,9 @@
 
     python benchmarks/sweep_gemm.py            # every M bucket
     python benchmarks/sweep_gemm.py --m 128    # one M, each shape (and the LM head) on its own
+    python benchmarks/sweep_gemm.py --column   # the decode bucket judged on qkv and gate_up alone
+                                               # (what the model runs through `linear`; o and down
+                                               # run the row-parallel tree), narrow and deep tiles too
 
 For each M bucket of kernels/_triton/matmul_configs.py, every candidate is timed on the four
 projection shapes at the bucket's representative Ms, as a ratio to cuBLAS measured alongside;
@@ -28,6 +31,12 @@ BUCKETS = {  # bucket bound -> (Ms it is judged on, candidates)
                   G(128, 64, 8, 4, 5), G(128, 256, 8, 8, 3)]),
     1024: ([1024], [G(128, 128, 8, 8, 4), G(128, 256, 8, 8, 3), G(64, 256, 8, 4, 4), G(128, 128, 8, 8, 4, 2)]),
 }
+
+
+# Decode-bucket candidates for the column-parallel shapes: narrow N tiles (more programs at qkv's
+# N = 6144: 48 tiles of 128 columns on 132 SMs) with deeper pipelines (bytes in flight per SM).
+COLUMN_DECODE = [G(64, 128, 1, 4, 4, 2), G(64, 64, 1, 4, 6, 2), G(64, 64, 1, 4, 8), G(64, 64, 1, 4, 12),
+                 G(64, 32, 1, 4, 8, 2), G(64, 32, 1, 4, 16), G(64, 16, 1, 4, 10, 2), G(64, 16, 1, 4, 20)]
 
 
 def ratio(cfg: mc.GemmConfig, ms: list[int], shapes=QWEN3_8B_PROJECTIONS) -> float:
@@ -59,6 +68,17 @@ def per_shape(m: int) -> None:
 
 def main() -> None:
     K.set_backend("triton")
+    if "--column" in sys.argv:
+        shapes = [s for s in QWEN3_8B_PROJECTIONS if s[0] in ("qkv", "gate_up")]
+        for cfg in COLUMN_DECODE:
+            try:
+                per_m = [ratio(cfg, [m], [shape]) for shape in shapes for m in (1, 8, 64)]
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is just not a winner
+                print(f"  {cfg}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+                continue
+            print(f"column M<=64 geomean {statistics.geometric_mean(per_m):.3f}  qkv {per_m[0]:.3f} {per_m[1]:.3f} "
+                  f"{per_m[2]:.3f}  gate_up {per_m[3]:.3f} {per_m[4]:.3f} {per_m[5]:.3f}  {cfg}", flush=True)
+        return
     if "--m" in sys.argv:
         per_shape(int(sys.argv[sys.argv.index("--m") + 1]))
         return
