@@ -1,7 +1,6 @@
 """Sweep of the K-chunk tree GEMM (kernels/_triton/splitk.py) on the GPU at hand: tile config x
-programs per tile (split 1: the persistent kernel, one flat loop over every tile's chunks, pending
-subtrees held in L2; split > 1: the split kernel, one loop per chunk), bf16, vs cuBLAS and vs the
-plain `linear` kernel.
+programs per tile (split 1: one program holds a tile's whole tree in registers, one loop over every
+chunk's steps; split > 1: subtrees, one loop per chunk), bf16, vs cuBLAS and vs the plain `linear` kernel.
 
     python benchmarks/sweep_rowtree.py [OUT.md]                      # the row-parallel GEMM as it runs:
                                                                      # o_proj / down_proj, 8 chunks
@@ -11,8 +10,7 @@ plain `linear` kernel.
 
 Every candidate computes the same bits (tile and split decide only which program computes an
 element and where a sum is done): each is checked bitwise against the default before it is
-timed. Split candidates run where tiles are few (M <= 256), the persistent ones where they are many
-(M >= 128). Prints, per (shape, M), cuBLAS, `linear` and the default's time and the best candidate;
+timed. Split candidates run where tiles are few (M <= 256), split 1 where they are many (M >= 128). Prints, per (shape, M), cuBLAS, `linear` and the default's time and the best candidate;
 then each candidate's geometric-mean ratio over the Ms of a bucket.
 """
 from __future__ import annotations
@@ -30,9 +28,10 @@ from lockstep.kernels._triton.splitk import row_tree
 SHAPES = {"row": [("o_proj", 4096, 4096), ("down", 12288, 4096)],
           "column": [("qkv", 4096, 6144), ("gate_up", 4096, 24576)]}  # (name, K, N) of Qwen3-8B
 MS = [1, 8, 64, 128, 256, 512, 1024, 4096]
-SPLIT_CONFIGS = [G(64, 128, 8, 4, 4), G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4)]
+SPLIT_CONFIGS = [G(64, 128, 8, 4, 4), G(64, 64, 1, 4, 4, 2), G(64, 128, 8, 4, 2, 1, 2), G(64, 128, 8, 4, 3, 1, 2),
+                 G(64, 128, 8, 4, 2, 1, 4)]
 SPLITS = [None, 2, 4, 8]  # None: split_for's choice; splits above the chunk count are skipped
-PERSISTENT_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 8, 4), G(64, 128, 8, 4, 4),
+WHOLE_TREE_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 8, 4), G(64, 128, 8, 4, 4),
                       G(128, 64, 8, 4, 4)]
 
 
@@ -40,7 +39,7 @@ def candidates(m: int, chunks: int):
     if m <= 256:
         yield from ((cfg, split) for cfg in SPLIT_CONFIGS for split in SPLITS if not split or split <= chunks)
     if m >= 128:
-        yield from ((cfg, 1) for cfg in PERSISTENT_CONFIGS)
+        yield from ((cfg, 1) for cfg in WHOLE_TREE_CONFIGS)
 
 
 def main() -> None:
@@ -66,7 +65,8 @@ def main() -> None:
             default = graph_ms_per_call(lambda: row_tree(x, w, chunk, x.dtype)) * 1e3
             best = (default, "default")
             for cfg, split in candidates(m, args.chunks):
-                key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm, split or "auto")
+                key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm, cfg.k_steps,
+                       split or "auto")
                 fn = lambda: row_tree(x, w, chunk, x.dtype, split=split, config=cfg)  # noqa: E731
                 try:
                     got = fn()
@@ -82,7 +82,7 @@ def main() -> None:
             lines.append(f"| {name} | {m} | {cublas:.1f} | {cublas / linear:.3f} | {default:.1f} | {cublas / default:.3f} "
                          f"| {best[1]} | {best[0]:.1f} | {cublas / best[0]:.3f} |")
             print(lines[-1], flush=True)
-    lines += ["", "Geometric-mean ratio to cuBLAS per candidate (tile, warps, stages, programs/SM, split):", ""]
+    lines += ["", "Geometric-mean ratio to cuBLAS per candidate (tile, warps, stages, programs/SM, k_steps, split):", ""]
     for bucket in ([1, 8, 64], [128], [256], [512], [1024], [4096]):
         ranked = sorted(((statistics.geometric_mean([r for m, r in v if m in bucket]), key)
                          for key, v in scores.items() if any(m in bucket for m, _ in v)), reverse=True)

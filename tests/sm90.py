@@ -14,8 +14,7 @@ import pytest
 
 def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: int) -> dict:
     """types(arg name) -> Triton signature type of every non-constexpr argument. Returns the MMA
-    (version, instruction shape) pairs of the TTGIR, ptxas' registers and spilled bytes, and the
-    depths of the PTX's wgmma waits (`wgmma.wait_group N`: a pipelined loop keeps N = 1 in flight)."""
+    (version, instruction shape) pairs of the TTGIR, ptxas' registers and spilled bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -36,9 +35,7 @@ def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: in
                              capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", out)
     spills = re.search(r"(\d+) bytes spill stores", out)
-    return {"mma": mma, "regs": int(regs.group(1)), "spill_bytes": int(spills.group(1)) if spills else 0,
-            "wgmma_waits": sorted(set(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)",
-                                                                  compiled.asm["ptx"])))}
+    return {"mma": mma, "regs": int(regs.group(1)), "spill_bytes": int(spills.group(1)) if spills else 0}
 
 
 def probe(code: str):

@@ -10,7 +10,7 @@ One more rule for 16-bit dtypes on Hopper: BLOCK_M stays a multiple of 64 and nu
 multiple of 4. Triton then lowers every bucket's tl.dot to wgmma; below that it falls back to
 mma.sync (MMAv2), a different instruction whose rounding has not been verified to be identical.
 
-Shared memory per program (bf16) = num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 bytes of
+Shared memory per program (bf16) = num_stages * k_steps * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 bytes of
 operand buffers + BLOCK_M * BLOCK_N * 2 bytes of epilogue staging; keep it under 227 KiB (H100/H200).
 """
 from __future__ import annotations
@@ -28,6 +28,10 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     programs_per_sm: int = 1  # persistent programs per SM (>1 overlaps one program's epilogue/loads with another's MMA)
+    # BLOCK_K steps per loop iteration, when they divide the K steps (else 1): the iteration's loads
+    # share a pipeline stage, so a decode-sized tile moves k_steps x the bytes per wait. The dots, and
+    # their order, are the same: smem per stage grows k_steps-fold.
+    k_steps: int = 1
 
 
 BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
@@ -67,20 +71,22 @@ CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 ]
 
 
-# The row-parallel GEMM (splitk.py). Small M (fewer tiles than SMs: the split kernel): one 64x128
-# tile on one warpgroup, the best of the sweep (benchmarks/sweep_rowtree.py, H200, RESULTS.md) at
-# M = 1 .. 256 on the o_proj and down_proj shapes against 64x64, 128x64, 128x128 and two-warpgroup
-# tiles. Large M (the persistent kernel, pending subtrees held in L2): 128x128 on two warpgroups, the
-# smallest tile whose operand traffic per MMA lets an SM run near the tensor cores' rate (a 64x128
-# tile reads 1.5x the bytes per product). programs_per_sm is the program count the subtree split
-# aims for at small M (programs = tiles x split); like every field here it never changes the bits.
+# The row-parallel GEMM (splitk.py). One 64x128 tile on one warpgroup at every M: the best of the
+# sweep (benchmarks/sweep_rowtree.py, H200, RESULTS.md) at M = 1 .. 4096 on the o_proj and down_proj
+# shapes, against 64x64, 128x64, 128x128 and two-warpgroup tiles. programs_per_sm is the program count
+# the subtree split aims for at small M (programs = tiles x split); like every field here it never
+# changes the bits.
 ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
-    (512, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
-    (None, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, programs_per_sm=1)),
+    (None, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
 ]
 ROW_CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
     (None, GemmConfig(block_m=64, block_n=32, group_m=8, num_warps=4, num_stages=2, programs_per_sm=2)),
 ]
+
+
+def k_steps(config: GemmConfig, steps: int) -> int:
+    """BLOCK_K steps per loop iteration for a product of `steps` K steps (whole iterations only)."""
+    return config.k_steps if steps % config.k_steps == 0 else 1
 
 
 def block_k(dtype: torch.dtype) -> int:

@@ -1,5 +1,5 @@
 """Lockstep's row-parallel GEMM on the GPU: the canonical K-chunk tree (kernels/rowlinear.py) in
-one launch.
+one launch, its fp32 partials never leaving the chip at large M.
 
 What is computed, for the CHUNKS = K_local / K_CHUNK chunks this rank owns: each chunk's product
 x[:, chunk] @ w[:, chunk]^T accumulated in fp32 over the chunk's BLOCK_K-wide `tl.dot` steps in
@@ -7,22 +7,14 @@ ascending k (BLOCK_K fixed per dtype; a chunk of partial steps is zero-padded: e
 products summed in the balanced tree ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7)), and the
 root rounded once to x's dtype (unsharded) or returned in fp32 (a TP rank's subtree root).
 
-How, without an M-dependent order, two kernels that compute the same bits:
-- split (small M, fewer tiles than SMs): SPLIT programs share an output tile, each computing one
-  subtree of CHUNKS / SPLIT consecutive chunks in registers, one pipelined K loop per chunk. Every
-  program writes its fp32 subtree root to a workspace and takes a ticket from the tile's counter;
-  the last to arrive adds the SPLIT roots in the tree's own order (they are its top levels) and
-  writes the tile. SPLIT is chosen from the tile count to fill the SMs.
-- persistent (SPLIT = 1, large M): one program per SM loops over its tiles, and for each tile over
-  every chunk's steps in ONE flat pipelined loop (the TMA loads of the next chunk and the next tile
-  are in flight while a chunk finishes). A finished chunk joins the tree like a binary counter,
-  but its pending subtrees wait in a per-program holding area in L2, not in registers: four 64x128
-  fp32 tiles held in registers spilled, a join that reads a register-held subtree inside the loop
-  made every wgmma wait for the last one, and a tile big enough to run near cuBLAS's rate (128x128
-  on two warpgroups) could not hold even two of them. The holders are read back with .cg loads
-  after a CTA barrier (another thread of the program may have written an element).
-Which program finishes a tile, and SPLIT itself, change only where a sum is done, never which sums:
-every SPLIT gives the same bits. The tile shape (ROW_CONFIGS) only decides which program computes an
+How, without an M-dependent order: SPLIT programs share an output tile, each computing one
+subtree of CHUNKS / SPLIT consecutive chunks in registers. SPLIT = 1: the program holds the whole
+tree and writes the tile. SPLIT > 1: every program writes its fp32 subtree root to a workspace and
+takes a ticket from the tile's counter; the last to arrive adds the SPLIT roots in the tree's own
+order (they are its top levels) and writes the tile. Which program finishes a tile, and SPLIT
+itself (chosen from the tile count to fill the SMs at small M), change only where a sum is done,
+never which sums: every SPLIT gives the same bits, which is what lets decode-sized products use
+more programs than tiles. The tile shape (ROW_CONFIGS) only decides which program computes an
 element, as in matmul.py.
 """
 from __future__ import annotations
@@ -35,15 +27,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
-from lockstep.kernels._triton.matmul import _tile_coords
-from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, row_config_for
+from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, k_steps, row_config_for
 
 
 @triton.jit
-def _join(acc, j, h1, h2, COUNT: tl.constexpr):
-    """Chunk j's finished product joins a subtree of COUNT <= 4 chunks like a binary counter: added
-    to its left sibling when j is odd, the pair to its left pair when j % 4 == 3. Returns the
-    holders and the newest subtree (after the last chunk: the root)."""
+def _join(acc, j, h1, h2, h4, COUNT: tl.constexpr):
+    """Chunk j's finished product joins the tree like a binary counter: added to its left sibling
+    when j is odd, the pair to its left pair when j % 4 == 3, the quad to its left quad when
+    j % 8 == 7. Returns the holders and the newest subtree (after the last chunk: the root)."""
     v = acc
     if COUNT > 1:  # (compile-time guards: a smaller subtree carries fewer holders)
         if j % 2 == 1:
@@ -51,13 +42,19 @@ def _join(acc, j, h1, h2, COUNT: tl.constexpr):
     if COUNT > 2:
         if j % 4 == 3:
             v = h2 + v
+    if COUNT > 4:
+        if j % 8 == 7:
+            v = h4 + v
     if COUNT > 1:
         if j % 2 == 0:
             h1 = v
     if COUNT > 2:
         if j % 4 == 1:
             h2 = v
-    return h1, h2, v
+    if COUNT > 4:
+        if j % 8 == 3:
+            h4 = v
+    return h1, h2, h4, v
 
 
 @triton.jit
@@ -73,21 +70,47 @@ def _step(x_desc, w_desc, off_m, off_n, kk, acc, WIDEN_OPERANDS: tl.constexpr):
 
 @triton.jit
 def _subtree(x_desc, w_desc, off_m, off_n, K_CHUNK, K_PAD, first, COUNT: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN_OPERANDS: tl.constexpr):
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, WIDEN_OPERANDS: tl.constexpr,
+             PER_CHUNK_LOOPS: tl.constexpr):
     """[BLOCK_M, BLOCK_N] fp32: the balanced tree over the products of the chunks first ..
-    first + COUNT - 1 (COUNT 1, 2 or 4; first a multiple of COUNT). Chunk c's columns start at
-    c * K_PAD (K_PAD >= K_CHUNK, whole BLOCK_K steps; the padding holds zeros). Each chunk's product
-    accumulates from zero over its BLOCK_K steps in ascending k in its own pipelined loop (unrolled,
-    so the MMAs stay asynchronous inside each), then joins the tree (_join)."""
+    first + COUNT - 1 (COUNT 1, 2, 4 or 8; first a multiple of COUNT). Chunk c's columns start at
+    c * K_PAD (K_PAD >= K_CHUNK, whole BLOCK_K steps; the padding holds zeros).
+
+    Each chunk's product accumulates from zero over its BLOCK_K steps in ascending k, then joins
+    the tree (_join). Two loop structures, the same operations in the same order:
+    - PER_CHUNK_LOOPS (a subtree of at most 4 chunks): one pipelined K loop per chunk, unrolled, so
+      the MMAs stay asynchronous inside each (the tree joins between loops);
+    - otherwise one pipelined loop over every chunk's steps, the join at each chunk's last step:
+      no pipeline restarts, but the join reads the accumulator inside the loop, so each MMA is
+      waited for (wgmma.wait_group 0). Eight unrolled loops (a whole tree) ran slower: the sweep
+      (benchmarks/sweep_rowtree.py) found each structure faster where it is used."""
     steps = tl.cdiv(K_CHUNK, BLOCK_K)
     h1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # a finished chunk waiting for its sibling
     h2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # a finished pair
+    h4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # a finished quad
     root = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for j in tl.static_range(0, COUNT):
+    # K_STEPS consecutive steps per loop iteration (K_STEPS divides steps): the same dots in the same
+    # order, more bytes per pipeline stage
+    if PER_CHUNK_LOOPS:
+        for j in tl.static_range(0, COUNT):
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(0, steps // K_STEPS):
+                for u in tl.static_range(K_STEPS):
+                    acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + (ki * K_STEPS + u) * BLOCK_K,
+                                acc, WIDEN_OPERANDS)
+            h1, h2, h4, root = _join(acc, j, h1, h2, h4, COUNT)
+    else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(0, steps):
-            acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + ki * BLOCK_K, acc, WIDEN_OPERANDS)
-        h1, h2, root = _join(acc, j, h1, h2, COUNT)
+        iters = steps // K_STEPS  # per chunk
+        for i in range(0, COUNT * iters):
+            j = i // iters
+            ki = i - j * iters
+            for u in tl.static_range(K_STEPS):
+                acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + (ki * K_STEPS + u) * BLOCK_K, acc,
+                            WIDEN_OPERANDS)
+            if ki == iters - 1:  # chunk j is complete: join the tree
+                h1, h2, h4, root = _join(acc, j, h1, h2, h4, COUNT)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     return root
 
 
@@ -114,97 +137,38 @@ def _root(ws, step, mask, S: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _row_tree_split_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK, K_PAD, stride_o,
-                           CHUNKS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, WIDEN_OPERANDS: tl.constexpr):
-    tl.static_assert(SPLIT > 1 and CHUNKS // SPLIT <= 4)
+def _row_tree_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK, K_PAD, stride_o,
+                     CHUNKS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_STEPS: tl.constexpr,
+                     WIDEN_OPERANDS: tl.constexpr, PER_CHUNK_LOOPS: tl.constexpr):
     tile = tl.program_id(0)
     s = tl.program_id(1)  # which subtree of this tile
-    pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_group = GROUP_M * num_pid_n
+    first_m = (tile // tiles_per_group) * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % tiles_per_group) % group_rows
+    pid_n = (tile % tiles_per_group) // group_rows
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     PER: tl.constexpr = CHUNKS // SPLIT
     root = _subtree(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K_CHUNK, K_PAD, s * PER, PER,
-                    BLOCK_M, BLOCK_N, BLOCK_K, WIDEN_OPERANDS)
+                    BLOCK_M, BLOCK_N, BLOCK_K, K_STEPS, WIDEN_OPERANDS, PER_CHUNK_LOOPS)
     inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    # workspace [SPLIT, M, N] fp32: this subtree's root, then a ticket; the last one sums
-    plane = M.to(tl.int64) * N
-    ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-    tl.store(ws + s * plane, root, mask=inside)
-    tl.debug_barrier()  # every thread's stores precede the release
-    ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if ticket == SPLIT - 1:
-        total = _root(ws, plane, inside, SPLIT)
-        out = out_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
-        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=inside)
-
-
-@triton.jit
-def _holder(hold_ptr, level, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pointers of this program's holding tile for a pending subtree of 2**level chunks."""
-    base = hold_ptr + (tl.program_id(0).to(tl.int64) * 3 + level) * (BLOCK_M * BLOCK_N)
-    return base + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-
-
-@triton.jit
-def _hold(hold_ptr, level, v, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPILED: tl.constexpr):
-    tl.store(_holder(hold_ptr, level, BLOCK_M, BLOCK_N), v)
-    if COMPILED:
-        # The read-back may come from another thread of the program (the load's register layout is
-        # not the store's): a CTA barrier orders them. As PTX, not tl.debug_barrier, which the
-        # pipeliner takes for a fence and then stops pipelining the loop.
-        tl.inline_asm_elementwise("bar.sync 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _held(hold_ptr, level, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    return tl.load(_holder(hold_ptr, level, BLOCK_M, BLOCK_N), cache_modifier=".cg")
-
-
-@triton.jit(do_not_specialize=["M", "num_programs"])
-def _row_tree_persistent_kernel(x_desc, w_desc, out_ptr, hold_ptr, M, N, K_CHUNK, K_PAD, stride_o, num_programs,
-                                CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, WIDEN_OPERANDS: tl.constexpr,
-                                COMPILED: tl.constexpr):
-    """The whole tree of each of this program's tiles, tiles pid, pid + num_programs, ...: one flat
-    loop over (tile, chunk, step); the join, the holders and the store run at a chunk's last step
-    (the loop's only read of the accumulator, so the wgmma pipeline waits there alone)."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    steps = tl.cdiv(K_CHUNK, BLOCK_K)
-    per_tile = CHUNKS * steps
-    pid = tl.program_id(0)
-    my_tiles = (num_pid_m * num_pid_n - pid + num_programs - 1) // num_programs
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, my_tiles * per_tile):
-        t = i // per_tile
-        c = (i - t * per_tile) // steps  # the chunk
-        ki = i - t * per_tile - c * steps  # its step
-        pid_m, pid_n = _tile_coords(pid + t * num_programs, num_pid_m, num_pid_n, GROUP_M)
-        acc = _step(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, c * K_PAD + ki * BLOCK_K, acc, WIDEN_OPERANDS)
-        if ki == steps - 1:  # chunk c is complete: it joins the tree (the binary counter of _join)
-            v = acc
-            if CHUNKS > 1:
-                if c % 2 == 1:
-                    v = _held(hold_ptr, 0, BLOCK_M, BLOCK_N) + v
-            if CHUNKS > 2:
-                if c % 4 == 3:
-                    v = _held(hold_ptr, 1, BLOCK_M, BLOCK_N) + v
-            if CHUNKS > 4:
-                if c % 8 == 7:
-                    v = _held(hold_ptr, 2, BLOCK_M, BLOCK_N) + v
-            if c == CHUNKS - 1:
-                offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-                offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-                out = out_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
-                tl.store(out, v.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-            elif c % 2 == 0:
-                _hold(hold_ptr, 0, v, BLOCK_M, BLOCK_N, COMPILED)
-            elif c % 4 == 1:
-                _hold(hold_ptr, 1, v, BLOCK_M, BLOCK_N, COMPILED)
-            elif c % 8 == 3:
-                _hold(hold_ptr, 2, v, BLOCK_M, BLOCK_N, COMPILED)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    out = out_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
+    if SPLIT == 1:
+        tl.store(out, root.to(out_ptr.dtype.element_ty), mask=inside)
+    else:
+        # workspace [SPLIT, M, N] fp32: this subtree's root, then a ticket; the last one sums
+        plane = M.to(tl.int64) * N
+        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws + s * plane, root, mask=inside)
+        tl.debug_barrier()  # every thread's stores precede the release
+        ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT - 1:
+            total = _root(ws, plane, inside, SPLIT)
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def _chunk_descriptor(t: torch.Tensor, chunks: int, chunk: int, padded: int, block_rows: int,
@@ -234,8 +198,8 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
              split: int | None = None, config: GemmConfig | None = None) -> torch.Tensor:
     """x [M, K_local] @ weight[N, K_local]^T as the canonical tree over its K_local / chunk chunks
     -> [M, N] in out_dtype (x's dtype: the rounded result; fp32: the subtree root). `split` forces
-    the programs per tile (1: the persistent kernel) and `config` the tile (tests, sweeps: every
-    choice gives the same bits)."""
+    the programs per tile and `config` the tile (tests, sweeps: every choice gives the same bits);
+    a split program's subtree runs one loop per chunk (_subtree)."""
     m, k = x.shape
     n = weight.shape[0]
     chunks = k // chunk
@@ -253,21 +217,16 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
     split = split or split_for(tiles, chunks, x.device, cfg.programs_per_sm)
     if split not in (1, 2, 4, 8) or split > chunks:
         raise ValueError(f"row_tree: split {split} must be 1, 2, 4 or 8 and at most the {chunks} chunks")
-    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
-                  WIDEN_OPERANDS=INTERPRETING and x.dtype == torch.bfloat16,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split == 1:
-        programs = min(tiles, resident_programs(x.device))
-        # three holding tiles per program (pending subtrees of 1, 2 and 4 chunks): L2-resident scratch
-        hold = torch.empty(programs * 3 * cfg.block_m * cfg.block_n if chunks > 1 else 1,
-                           dtype=torch.float32, device=x.device)
-        _row_tree_persistent_kernel[(programs,)](x_desc, w_desc, out, hold, m, n, chunk, padded, out.stride(0),
-                                                 programs, CHUNKS=chunks, COMPILED=not INTERPRETING, **common)
-    else:
+    if split > 1:
         ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
         tickets = torch.zeros(tiles, dtype=torch.int32, device=x.device)  # per call (a memset node in a CUDA graph)
-        _row_tree_split_kernel[(tiles, split)](x_desc, w_desc, out, ws, tickets, m, n, chunk, padded, out.stride(0),
-                                               CHUNKS=chunks, SPLIT=split, **common)
+    else:
+        ws = tickets = out
+    _row_tree_kernel[(tiles, split)](
+        x_desc, w_desc, out, ws, tickets, m, n, chunk, padded, out.stride(0),
+        CHUNKS=chunks, SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
+        GROUP_M=cfg.group_m, K_STEPS=k_steps(cfg, padded // bk), WIDEN_OPERANDS=INTERPRETING and x.dtype == torch.bfloat16, PER_CHUNK_LOOPS=split > 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
