@@ -33,12 +33,9 @@ BUCKETS = {  # bucket bound -> (Ms it is judged on, candidates)
 }
 
 
-# Decode-bucket candidates for the column-parallel shapes: 64- and 128-column tiles (narrower ones ran
-# at 0.21-0.46x cuBLAS on an H200, RESULTS.md), deeper pipelines and more K steps per stage.
-COLUMN_DECODE = [G(64, 128, 1, 4, 4, 2), G(64, 64, 1, 4, 6, 2), G(64, 64, 1, 4, 12),
-                 # k_steps: 2 or 4 BLOCK_K steps per pipeline stage (the same dots, more bytes per wait)
-                 G(64, 128, 1, 4, 3, 1, 2), G(64, 128, 1, 4, 2, 2, 2), G(64, 128, 1, 4, 2, 1, 4),
-                 G(64, 64, 1, 4, 3, 1, 4), G(64, 64, 1, 4, 3, 2, 2), G(128, 128, 1, 8, 2, 1, 2)]
+# Decode-bucket candidates for the column-parallel shapes: 128-, 64- and 32-column tiles, deeper
+# pipelines (narrower tiles and several K steps per stage ran slower on an H200, RESULTS.md).
+COLUMN_DECODE = [G(64, 128, 1, 4, 4, 2), G(64, 64, 1, 4, 6, 2), G(64, 64, 1, 4, 12), G(64, 32, 1, 4, 8, 2)]
 
 
 def ratio(cfg: mc.GemmConfig, ms: list[int], shapes=QWEN3_8B_PROJECTIONS) -> float:

@@ -172,34 +172,6 @@ def test_linear_rows_equals_one_linear_per_block(dtype):
         K.linear_rows(x, w, (72, 24))
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # masked lanes, interpreter
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_k_steps_per_iteration_keep_the_bits(dtype, monkeypatch):
-    """Several BLOCK_K steps per loop iteration (a config's k_steps) run the same dots in the same
-    order: `linear` and the row-parallel tree give the same bits as one step per iteration, and a K
-    whose steps k_steps does not divide falls back to one."""
-    from dataclasses import replace
-
-    from lockstep.kernels._triton import matmul_configs as mc
-    from lockstep.kernels._triton.splitk import row_tree
-
-    bk = mc.block_k(dtype)
-    x, w = torch.randn(70, 8 * bk).to(dtype), torch.randn(40, 8 * bk).to(dtype)
-    odd = x[:, :3 * bk].contiguous(), w[:, :3 * bk].contiguous()
-    base, base_odd = K.linear(x, w), K.linear(*odd)
-    tree = row_tree(x, w, 2 * bk, dtype, split=2)
-    table = mc.CONFIGS_FP32 if dtype == torch.float32 else mc.CONFIGS_16BIT
-    for steps in (2, 4):
-        monkeypatch.setattr(mc, "CONFIGS_FP32" if dtype == torch.float32 else "CONFIGS_16BIT",
-                            [(bound, replace(cfg, k_steps=steps)) for bound, cfg in table])
-        assert mc.config_for(70, dtype).k_steps == steps
-        assert torch.equal(K.linear(x, w), base), f"k_steps {steps}"
-        assert torch.equal(K.linear(*odd), base_odd), f"k_steps {steps}, 3 K steps"
-        cfg = replace(mc.row_config_for(70, dtype), k_steps=steps)
-        for split in (1, 2):
-            assert torch.equal(row_tree(x, w, 2 * bk, dtype, split=split, config=cfg), tree), f"k_steps {steps}"
-
-
 # ---------------------------------------------------------------- row-parallel GEMM (K-chunk tree)
 
 
@@ -273,7 +245,7 @@ for _, cfg in ROW_CONFIGS_16BIT:
              "out_ptr": "*bf16", "ws_ptr": "*fp32", "ticket_ptr": "*i32"}
     for split in (1, 2, 4, 8):
         ce = dict(CHUNKS=8, SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=64, GROUP_M=cfg.group_m,
-                  K_STEPS=cfg.k_steps, WIDEN_OPERANDS=False, PER_CHUNK_LOOPS=split > 1)  # as row_tree launches it
+                  WIDEN_OPERANDS=False, PER_CHUNK_LOOPS=split > 1)  # as row_tree launches it
         r = compile_sm90(S._row_tree_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
         out.append(dict(r, tile=[cfg.block_m, cfg.block_n], split=split))
 print(json.dumps(out))

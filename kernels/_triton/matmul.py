@@ -25,7 +25,7 @@ import triton.language as tl
 
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
 from lockstep.kernels._triton._tma import aligned_empty, install_descriptor_allocator, tma_matrix
-from lockstep.kernels._triton.matmul_configs import block_k, config_for, k_steps
+from lockstep.kernels._triton.matmul_configs import block_k, config_for
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_a, stride_b, stride_c, num_programs,
                  A_TRANSPOSED: tl.constexpr, B_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 K_STEPS: tl.constexpr, WIDEN_OPERANDS: tl.constexpr):
+                 WIDEN_OPERANDS: tl.constexpr):
     """C[M, N] = A[M, K] @ B[K, N] (+ bias). A_TRANSPOSED: a_ptr holds A^T [K, M] row-major;
     B_TRANSPOSED: b_ptr holds B^T [N, K] row-major (an nn.Linear weight)."""
     if A_TRANSPOSED:
@@ -71,26 +71,23 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_a, stride_b, str
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # ascending k, the same BLOCK_K steps for every tile and every M; K_STEPS of them per loop
-        # iteration (K_STEPS divides k_tiles), which moves more bytes per pipeline stage, not a sum
-        for ki in range(k_tiles // K_STEPS):
-            for u in tl.static_range(K_STEPS):
-                off_k = (ki * K_STEPS + u) * BLOCK_K
-                if A_TRANSPOSED:
-                    a = a_desc.load([off_k, off_m]).T
-                else:
-                    a = a_desc.load([off_m, off_k])
-                if B_TRANSPOSED:
-                    b = b_desc.load([off_n, off_k]).T
-                else:
-                    b = b_desc.load([off_k, off_n])
-                if WIDEN_OPERANDS:
-                    # Only under the interpreter: its tl.dot multiplies bf16 tiles as their raw uint16
-                    # bits (triton 3.6). Widening to fp32 is exact, and so are the bf16 products.
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                # ieee: fp32 operands get exact fp32 FMAs instead of TF32; no effect on 16-bit operands.
-                acc = tl.dot(a, b, acc, input_precision="ieee")
+        for ki in range(k_tiles):  # ascending k, the same BLOCK_K steps for every tile and every M
+            off_k = ki * BLOCK_K
+            if A_TRANSPOSED:
+                a = a_desc.load([off_k, off_m]).T
+            else:
+                a = a_desc.load([off_m, off_k])
+            if B_TRANSPOSED:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            if WIDEN_OPERANDS:
+                # Only under the interpreter: its tl.dot multiplies bf16 tiles as their raw uint16
+                # bits (triton 3.6). Widening to fp32 is exact, and so are the bf16 products.
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            # ieee: fp32 operands get exact fp32 FMAs instead of TF32; no effect on 16-bit operands.
+            acc = tl.dot(a, b, acc, input_precision="ieee")
 
         epilogue_tile += num_programs
         pid_m, pid_n = _tile_coords(epilogue_tile, num_pid_m, num_pid_n, GROUP_M)
@@ -122,7 +119,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None)
         a_rows.stride(0), b_rows.stride(0), c.stride(0), programs,
         A_TRANSPOSED=a_transposed, B_TRANSPOSED=b_transposed, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k(a.dtype), GROUP_M=cfg.group_m,
-        K_STEPS=k_steps(cfg, triton.cdiv(k, block_k(a.dtype))), WIDEN_OPERANDS=INTERPRETING and a.dtype == torch.bfloat16,
+        WIDEN_OPERANDS=INTERPRETING and a.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return c.contiguous()  # a copy only when N needed a padded row stride

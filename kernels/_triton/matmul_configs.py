@@ -10,7 +10,7 @@ One more rule for 16-bit dtypes on Hopper: BLOCK_M stays a multiple of 64 and nu
 multiple of 4. Triton then lowers every bucket's tl.dot to wgmma; below that it falls back to
 mma.sync (MMAv2), a different instruction whose rounding has not been verified to be identical.
 
-Shared memory per program (bf16) = num_stages * k_steps * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 bytes of
+Shared memory per program (bf16) = num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 bytes of
 operand buffers + BLOCK_M * BLOCK_N * 2 bytes of epilogue staging; keep it under 227 KiB (H100/H200).
 """
 from __future__ import annotations
@@ -28,10 +28,6 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     programs_per_sm: int = 1  # persistent programs per SM (>1 overlaps one program's epilogue/loads with another's MMA)
-    # BLOCK_K steps per loop iteration, when they divide the K steps (else 1): the iteration's loads
-    # share a pipeline stage, so a decode-sized tile moves k_steps x the bytes per wait. The dots, and
-    # their order, are the same: smem per stage grows k_steps-fold.
-    k_steps: int = 1
 
 
 BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
@@ -82,11 +78,6 @@ ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
 ROW_CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
     (None, GemmConfig(block_m=64, block_n=32, group_m=8, num_warps=4, num_stages=2, programs_per_sm=2)),
 ]
-
-
-def k_steps(config: GemmConfig, steps: int) -> int:
-    """BLOCK_K steps per loop iteration for a product of `steps` K steps (whole iterations only)."""
-    return config.k_steps if steps % config.k_steps == 0 else 1
 
 
 def block_k(dtype: torch.dtype) -> int:

@@ -27,7 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
-from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, k_steps, row_config_for
+from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, row_config_for
 
 
 @triton.jit
@@ -70,8 +70,7 @@ def _step(x_desc, w_desc, off_m, off_n, kk, acc, WIDEN_OPERANDS: tl.constexpr):
 
 @triton.jit
 def _subtree(x_desc, w_desc, off_m, off_n, K_CHUNK, K_PAD, first, COUNT: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, WIDEN_OPERANDS: tl.constexpr,
-             PER_CHUNK_LOOPS: tl.constexpr):
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN_OPERANDS: tl.constexpr, PER_CHUNK_LOOPS: tl.constexpr):
     """[BLOCK_M, BLOCK_N] fp32: the balanced tree over the products of the chunks first ..
     first + COUNT - 1 (COUNT 1, 2, 4 or 8; first a multiple of COUNT). Chunk c's columns start at
     c * K_PAD (K_PAD >= K_CHUNK, whole BLOCK_K steps; the padding holds zeros).
@@ -89,26 +88,19 @@ def _subtree(x_desc, w_desc, off_m, off_n, K_CHUNK, K_PAD, first, COUNT: tl.cons
     h2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # a finished pair
     h4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # a finished quad
     root = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # K_STEPS consecutive steps per loop iteration (K_STEPS divides steps): the same dots in the same
-    # order, more bytes per pipeline stage
     if PER_CHUNK_LOOPS:
         for j in tl.static_range(0, COUNT):
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ki in range(0, steps // K_STEPS):
-                for u in tl.static_range(K_STEPS):
-                    acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + (ki * K_STEPS + u) * BLOCK_K,
-                                acc, WIDEN_OPERANDS)
+            for ki in range(0, steps):
+                acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + ki * BLOCK_K, acc, WIDEN_OPERANDS)
             h1, h2, h4, root = _join(acc, j, h1, h2, h4, COUNT)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        iters = steps // K_STEPS  # per chunk
-        for i in range(0, COUNT * iters):
-            j = i // iters
-            ki = i - j * iters
-            for u in tl.static_range(K_STEPS):
-                acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + (ki * K_STEPS + u) * BLOCK_K, acc,
-                            WIDEN_OPERANDS)
-            if ki == iters - 1:  # chunk j is complete: join the tree
+        for i in range(0, COUNT * steps):
+            j = i // steps
+            ki = i - j * steps
+            acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + ki * BLOCK_K, acc, WIDEN_OPERANDS)
+            if ki == steps - 1:  # chunk j is complete: join the tree
                 h1, h2, h4, root = _join(acc, j, h1, h2, h4, COUNT)
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     return root
@@ -139,8 +131,8 @@ def _root(ws, step, mask, S: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _row_tree_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK, K_PAD, stride_o,
                      CHUNKS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_STEPS: tl.constexpr,
-                     WIDEN_OPERANDS: tl.constexpr, PER_CHUNK_LOOPS: tl.constexpr):
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, WIDEN_OPERANDS: tl.constexpr,
+                     PER_CHUNK_LOOPS: tl.constexpr):
     tile = tl.program_id(0)
     s = tl.program_id(1)  # which subtree of this tile
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -154,7 +146,7 @@ def _row_tree_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK,
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     PER: tl.constexpr = CHUNKS // SPLIT
     root = _subtree(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K_CHUNK, K_PAD, s * PER, PER,
-                    BLOCK_M, BLOCK_N, BLOCK_K, K_STEPS, WIDEN_OPERANDS, PER_CHUNK_LOOPS)
+                    BLOCK_M, BLOCK_N, BLOCK_K, WIDEN_OPERANDS, PER_CHUNK_LOOPS)
     inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out = out_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
     if SPLIT == 1:
@@ -225,7 +217,7 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
     _row_tree_kernel[(tiles, split)](
         x_desc, w_desc, out, ws, tickets, m, n, chunk, padded, out.stride(0),
         CHUNKS=chunks, SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
-        GROUP_M=cfg.group_m, K_STEPS=k_steps(cfg, padded // bk), WIDEN_OPERANDS=INTERPRETING and x.dtype == torch.bfloat16, PER_CHUNK_LOOPS=split > 1,
+        GROUP_M=cfg.group_m, WIDEN_OPERANDS=INTERPRETING and x.dtype == torch.bfloat16, PER_CHUNK_LOOPS=split > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
