@@ -33,15 +33,27 @@ BUCKETS = {  # bucket bound -> (Ms it is judged on, candidates)
 }
 
 
-# Decode-bucket candidates for the column-parallel shapes: 128-, 64- and 32-column tiles, deeper
-# pipelines (narrower tiles and several K steps per stage ran slower on an H200, RESULTS.md).
-COLUMN_DECODE = [G(64, 128, 1, 4, 4, 2), G(64, 64, 1, 4, 6, 2), G(64, 64, 1, 4, 12), G(64, 32, 1, 4, 8, 2)]
+# Decode-bucket candidates for the column-parallel shapes: 128- and 64-column tiles, deeper pipelines,
+# swapped operands (narrower tiles and several K steps per stage ran slower on an H200, RESULTS.md).
+COLUMN_DECODE = [G(64, 128, 1, 4, 4, 2), G(64, 64, 1, 4, 6, 2), G(64, 64, 1, 4, 12),
+                 # swapped operands (weight rows as the MMA's M side, block_n of them per program;
+                 # the rows of x, up to block_m, its N side): no 64-row padding of x in every stage
+                 G(64, 64, 1, 4, 8, swap_ab=True), G(64, 64, 1, 4, 12, swap_ab=True), G(64, 64, 1, 4, 16, swap_ab=True),
+                 G(64, 128, 1, 4, 8, swap_ab=True), G(64, 128, 1, 8, 8, swap_ab=True), G(64, 64, 1, 4, 6, swap_ab=True)]
 
 
-def ratio(cfg: mc.GemmConfig, ms: list[int], shapes=QWEN3_8B_PROJECTIONS) -> float:
+def with_config(cfg: mc.GemmConfig, fn):
+    """fn() with cfg as the 16-bit table's only config."""
     original, wide = list(mc.CONFIGS_16BIT), list(mc.WIDE_CONFIGS_16BIT)
     mc.CONFIGS_16BIT[:], mc.WIDE_CONFIGS_16BIT[:] = [(None, cfg)], []
     try:
+        return fn()
+    finally:
+        mc.CONFIGS_16BIT[:], mc.WIDE_CONFIGS_16BIT[:] = original, wide
+
+
+def ratio(cfg: mc.GemmConfig, ms: list[int], shapes=QWEN3_8B_PROJECTIONS) -> float:
+    def run():
         ratios = []
         for _, k, n in shapes:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
@@ -49,8 +61,7 @@ def ratio(cfg: mc.GemmConfig, ms: list[int], shapes=QWEN3_8B_PROJECTIONS) -> flo
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ratios.append(graph_ms_per_call(lambda: x @ w.t()) / graph_ms_per_call(lambda: K.linear(x, w)))
         return statistics.geometric_mean(ratios)
-    finally:
-        mc.CONFIGS_16BIT[:], mc.WIDE_CONFIGS_16BIT[:] = original, wide
+    return with_config(cfg, run)
 
 
 def per_shape(m: int) -> None:
@@ -69,7 +80,13 @@ def main() -> None:
     K.set_backend("triton")
     if "--column" in sys.argv:
         shapes = [s for s in QWEN3_8B_PROJECTIONS if s[0] in ("qkv", "gate_up")]
+        w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) / 64
+        x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+        ref = {m: K.linear(x[:m], w) for m in (1, 8, 17, 64)}  # the table's kernel
         for cfg in COLUMN_DECODE:
+            if not all(torch.equal(with_config(cfg, lambda: K.linear(x[:m], w)), ref[m]) for m in ref):
+                print(f"  {cfg}: BITS DIFFER from the table's kernel", flush=True)
+                continue
             try:
                 per_m = [ratio(cfg, [m], [shape]) for shape in shapes for m in (1, 8, 64)]
             except Exception as e:  # noqa: BLE001 - a config that does not compile is just not a winner

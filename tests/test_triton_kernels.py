@@ -172,6 +172,27 @@ def test_linear_rows_equals_one_linear_per_block(dtype):
         K.linear_rows(x, w, (72, 24))
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # masked lanes, interpreter
+def test_swapped_gemm_computes_the_same_product(monkeypatch):
+    """The swapped-operand GEMM (C^T = W @ X^T, for decode-sized X) writes every element where the
+    plain kernel does, with the bias, at row counts that take one, two or several X tiles. Integer
+    inputs make every sum exact, so the interpreter's summation order cannot hide an indexing slip;
+    that the bits of real inputs agree is the GPU row tests' job (every M bucket's row 0)."""
+    from dataclasses import replace
+
+    from lockstep.kernels._triton import matmul_configs as mc
+
+    w = torch.randint(-3, 4, (72, 100)).float()
+    bias = torch.randint(-3, 4, (72,)).float()
+    xs = {m: torch.randint(-3, 4, (m, 100)).float() for m in (1, 17, 70)}
+    plain = {m: (K.linear(x, w), K.linear(x, w, bias)) for m, x in xs.items()}
+    monkeypatch.setattr(mc, "CONFIGS_FP32", [(None, replace(mc.CONFIGS_FP32[0][1], block_m=32, swap_ab=True))])
+    for m, x in xs.items():
+        assert torch.equal(K.linear(x, w), plain[m][0]), f"M={m}"
+        assert torch.equal(K.linear(x, w, bias), plain[m][1]), f"M={m}, bias"
+        assert torch.equal(plain[m][0], x @ w.t())
+
+
 # ---------------------------------------------------------------- row-parallel GEMM (K-chunk tree)
 
 

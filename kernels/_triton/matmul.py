@@ -100,6 +100,45 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_a, stride_b, str
         c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], c)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _gemm_swap_kernel(x_ptr, w_ptr, c_ptr, bias_ptr, M, N, K, stride_x, stride_w, stride_c, HAS_BIAS: tl.constexpr,
+                      BLOCK_X: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+                      WIDEN_OPERANDS: tl.constexpr):
+    """C[M, N] = X[M, K] @ W[N, K]^T (+ bias) for a few rows, computed as C^T = W @ X^T: the weight
+    rows are the MMA's M side (BLOCK_W, a multiple of the 64 rows a wgmma takes) and the rows of X
+    its N side (BLOCK_X, 16-64 wide), so a decode-sized X is not padded to 64 rows in every stage.
+    Each element is the same sum as in _gemm_kernel: the same BLOCK_K steps in ascending k, each one
+    wgmma, whose elements do not depend on which operand is which (checked on the GPU by the row
+    tests of every M bucket). One program per tile, no persistence: decode shapes have few tiles."""
+    pid_w = tl.program_id(0)
+    pid_x = tl.program_id(1)
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_w, 1], block_shape=[BLOCK_W, BLOCK_K])
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_x, 1], block_shape=[BLOCK_X, BLOCK_K])
+    acc = tl.zeros((BLOCK_W, BLOCK_X), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BLOCK_K)):  # ascending k, the same BLOCK_K steps as _gemm_kernel
+        w = w_desc.load([pid_w * BLOCK_W, ki * BLOCK_K])
+        x = x_desc.load([pid_x * BLOCK_X, ki * BLOCK_K]).T
+        if WIDEN_OPERANDS:  # the interpreter multiplies bf16 tiles as raw bits (see _gemm_kernel)
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(w, x, acc, input_precision="ieee")
+    out_dtype = c_ptr.dtype.element_ty
+    c = acc.to(out_dtype)  # [BLOCK_W, BLOCK_X]: element (n, m) is C[m, n]
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_x = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
+    if HAS_BIAS:  # the reference's order, as in _gemm_kernel
+        bias = tl.load(bias_ptr + offs_w, mask=offs_w < N, other=0.0)
+        c = (c.to(tl.float32) + bias.to(tl.float32)[:, None]).to(out_dtype)
+    tl.store(c_ptr + offs_x[None, :].to(tl.int64) * stride_c + offs_w[:, None], c,
+             mask=(offs_x[None, :] < M) & (offs_w[:, None] < N))
+
+
+def _swap_rows(m: int, cfg_rows: int) -> int:
+    """BLOCK_X of the swapped kernel: the rows of X per tile, a power of two from 16 (tl.dot's
+    smallest) to the config's block_m."""
+    return min(cfg_rows, max(16, triton.next_power_of_2(m)))
+
+
 def _gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """a [M, K] @ b [K, N] (+ bias [N]) -> [M, N] contiguous, in a's dtype."""
     m, k = a.shape
@@ -111,9 +150,17 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None)
     b_rows, b_transposed = tma_matrix(b)
     c = aligned_empty(m, n, a.dtype, a.device)
     cfg = config_for(m, a.dtype, n)
+    install_descriptor_allocator(a.device)
+    if cfg.swap_ab and b_transposed and not a_transposed:  # x @ weight^T with an nn.Linear weight
+        rows = _swap_rows(m, cfg.block_m)
+        _gemm_swap_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, rows))](
+            a_rows, b_rows, c, c if bias is None else bias, m, n, k, a_rows.stride(0), b_rows.stride(0), c.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_X=rows, BLOCK_W=cfg.block_n, BLOCK_K=block_k(a.dtype),
+            WIDEN_OPERANDS=INTERPRETING and a.dtype == torch.bfloat16, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+        return c.contiguous()
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = min(tiles, resident_programs(a.device) * cfg.programs_per_sm)
-    install_descriptor_allocator(a.device)
     _gemm_kernel[(programs,)](
         a_rows, b_rows, c, c if bias is None else bias, m, n, k,
         a_rows.stride(0), b_rows.stride(0), c.stride(0), programs,
