@@ -35,7 +35,7 @@ BUCKETS = {  # bucket bound -> (Ms it is judged on, candidates)
 
 # Decode-bucket candidates for the column-parallel shapes: 128- and 64-column tiles, deeper pipelines,
 # swapped operands (narrower tiles and several K steps per stage ran slower on an H200, RESULTS.md).
-COLUMN_DECODE = [G(64, 128, 1, 4, 4, 2), G(64, 64, 1, 4, 6, 2), G(64, 64, 1, 4, 12),
+COLUMN_DECODE = [G(64, 128, 1, 4, 4, 2), G(64, 64, 1, 4, 6, 2), G(64, 64, 1, 4, 10),
                  # swapped operands (weight rows as the MMA's M side, block_n of them per program;
                  # the rows of x, up to block_m, its N side): no 64-row padding of x in every stage
                  G(64, 64, 1, 4, 8, swap_ab=True), G(64, 64, 1, 4, 12, swap_ab=True), G(64, 64, 1, 4, 16, swap_ab=True),
@@ -84,10 +84,10 @@ def main() -> None:
         x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
         ref = {m: K.linear(x[:m], w) for m in (1, 8, 17, 64)}  # the table's kernel
         for cfg in COLUMN_DECODE:
-            if not all(torch.equal(with_config(cfg, lambda: K.linear(x[:m], w)), ref[m]) for m in ref):
-                print(f"  {cfg}: BITS DIFFER from the table's kernel", flush=True)
-                continue
             try:
+                if not all(torch.equal(with_config(cfg, lambda: K.linear(x[:m], w)), ref[m]) for m in ref):
+                    print(f"  {cfg}: BITS DIFFER from the table's kernel", flush=True)
+                    continue
                 per_m = [ratio(cfg, [m], [shape]) for shape in shapes for m in (1, 8, 64)]
             except Exception as e:  # noqa: BLE001 - a config that does not compile is just not a winner
                 print(f"  {cfg}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
