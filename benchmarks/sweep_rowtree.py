@@ -28,7 +28,10 @@ from lockstep.kernels._triton.splitk import row_tree
 SHAPES = {"row": [("o_proj", 4096, 4096), ("down", 12288, 4096)],
           "column": [("qkv", 4096, 6144), ("gate_up", 4096, 24576)]}  # (name, K, N) of Qwen3-8B
 MS = [1, 8, 64, 128, 256, 512, 1024, 4096]
-SPLIT_CONFIGS = [G(64, 128, 8, 4, 4), G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4)]
+SPLIT_CONFIGS = [G(64, 128, 8, 4, 4), G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4),
+                 # swapped operands (weight rows as the MMA's M side; see matmul_configs.py)
+                 G(64, 64, 1, 4, 4, swap_ab=True), G(64, 64, 1, 4, 6, swap_ab=True), G(64, 128, 1, 4, 4, swap_ab=True),
+                 G(64, 64, 1, 4, 4, 2, swap_ab=True)]
 SPLITS = [None, 2, 4, 8]  # None: split_for's choice; splits above the chunk count are skipped
 WHOLE_TREE_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 8, 4), G(64, 128, 8, 4, 4),
                       G(128, 64, 8, 4, 4)]
@@ -64,7 +67,8 @@ def main() -> None:
             default = graph_ms_per_call(lambda: row_tree(x, w, chunk, x.dtype)) * 1e3
             best = (default, "default")
             for cfg, split in candidates(m, args.chunks):
-                key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm, split or "auto")
+                key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm,
+                       "swap" if cfg.swap_ab else "-", split or "auto")
                 fn = lambda: row_tree(x, w, chunk, x.dtype, split=split, config=cfg)  # noqa: E731
                 try:
                     got = fn()
@@ -80,7 +84,7 @@ def main() -> None:
             lines.append(f"| {name} | {m} | {cublas:.1f} | {cublas / linear:.3f} | {default:.1f} | {cublas / default:.3f} "
                          f"| {best[1]} | {best[0]:.1f} | {cublas / best[0]:.3f} |")
             print(lines[-1], flush=True)
-    lines += ["", "Geometric-mean ratio to cuBLAS per candidate (tile, warps, stages, programs/SM, split):", ""]
+    lines += ["", "Geometric-mean ratio to cuBLAS per candidate (tile, warps, stages, programs/SM, swap, split):", ""]
     for bucket in ([1, 8, 64], [128], [256], [512], [1024], [4096]):
         ranked = sorted(((statistics.geometric_mean([r for m, r in v if m in bucket]), key)
                          for key, v in scores.items() if any(m in bucket for m, _ in v)), reverse=True)

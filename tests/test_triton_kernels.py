@@ -191,6 +191,16 @@ def test_swapped_gemm_computes_the_same_product(monkeypatch):
         assert torch.equal(K.linear(x, w), plain[m][0]), f"M={m}"
         assert torch.equal(K.linear(x, w, bias), plain[m][1]), f"M={m}, bias"
         assert torch.equal(plain[m][0], x @ w.t())
+    # the row-parallel tree, swapped, at every split (a program's subtree root and the workspace
+    # sums written transposed)
+    from lockstep.kernels._triton.splitk import row_tree
+
+    swapped = replace(mc.row_config_for(1, torch.float32), block_m=32, swap_ab=True)
+    x, w = torch.randint(-3, 4, (70, 128)).float(), torch.randint(-3, 4, (40, 128)).float()
+    for m in (1, 17, 70):
+        ref = row_tree(x[:m], w, 16, torch.float32)
+        for split in (1, 2, 8):
+            assert torch.equal(row_tree(x[:m], w, 16, torch.float32, split=split, config=swapped), ref), (m, split)
 
 
 # ---------------------------------------------------------------- row-parallel GEMM (K-chunk tree)
@@ -266,7 +276,7 @@ for _, cfg in ROW_CONFIGS_16BIT:
              "out_ptr": "*bf16", "ws_ptr": "*fp32", "ticket_ptr": "*i32"}
     for split in (1, 2, 4, 8):
         ce = dict(CHUNKS=8, SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=64, GROUP_M=cfg.group_m,
-                  WIDEN_OPERANDS=False, PER_CHUNK_LOOPS=split > 1)  # as row_tree launches it
+                  WIDEN_OPERANDS=False, PER_CHUNK_LOOPS=split > 1, SWAP=cfg.swap_ab)  # as row_tree launches it
         r = compile_sm90(S._row_tree_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
         out.append(dict(r, tile=[cfg.block_m, cfg.block_n], split=split))
 print(json.dumps(out))

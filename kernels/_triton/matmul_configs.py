@@ -39,10 +39,13 @@ BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 # (largest M of the bucket, config), ascending; the last bucket (None) takes every larger M.
 CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     # Decode and small batches: the weight read dominates and there is no split-K to add
-    # parallelism. Swept on an H200 (benchmarks/sweep_gemm.py): 64x128 tiles with two resident
-    # programs per SM (one streams weights while the other multiplies) beat narrow 64x32 tiles
-    # (0.57x vs 0.35x cuBLAS geomean over M in {1, 8, 64}). 4 * (64 + 128) * 64 * 2 B = 96 KiB.
-    (64, GemmConfig(block_m=64, block_n=128, group_m=1, num_warps=4, num_stages=4, programs_per_sm=2)),
+    # parallelism. Swapped operands (weight rows as the wgmma's 64-row M side, x's rows as its
+    # 16-64-wide N side): 64 weight rows per program (96 programs at qkv's N = 6144), eight stages of
+    # 8 KiB of weight each in flight, and no 64-row zero padding of x in every stage. Swept on an H200
+    # (benchmarks/sweep_gemm.py --column, bits checked against the unswapped kernel): 0.90-1.01x cuBLAS
+    # on qkv and gate_up at M = 1 and 8, against 0.53-0.81x for the unswapped 64x128 tiles with two
+    # programs per SM; 8 * (64 + 16) * 64 * 2 B = 80 KiB at M <= 16.
+    (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=8, swap_ab=True)),
     # Medium batches: one warpgroup per 64x128 tile keeps the tile count near one wave at
     # M=256 (N=4096 -> 128 tiles) while each weight tile is reused across the M tiles from L2.
     (256, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=5)),
@@ -56,6 +59,9 @@ CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
 # (smallest M, largest M, smallest N, config): a product in that row range with at least that many
 # output columns takes this config instead of its M bucket's (the bucket tables are keyed by M alone).
 WIDE_CONFIGS_16BIT: list[tuple[int, int, int, GemmConfig]] = [
+    # 33-64 rows against gate/up: 128 weight rows per swapped program (0.930x cuBLAS at M = 64 against
+    # 0.846x for 64; at qkv's N the 64-row programs win, 0.915x vs 0.855x; H200, sweep_gemm.py --column).
+    (33, 64, 16384, GemmConfig(block_m=64, block_n=128, group_m=1, num_warps=4, num_stages=8, swap_ab=True)),
     # A decode batch of 65-128 rows against gate/up (N = 24576): one 128x256 tile holds every row, so
     # each weight tile streams once; 0.864x cuBLAS against 0.795x for the bucket's 64x128 tiles (H200,
     # M = 128, benchmarks/sweep_gemm.py --m 128). At qkv's N = 6144 it would leave most SMs idle.
@@ -82,6 +88,12 @@ ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
 ROW_CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
     (None, GemmConfig(block_m=64, block_n=32, group_m=8, num_warps=4, num_stages=2, programs_per_sm=2)),
 ]
+
+
+def swap_rows(m: int, config: GemmConfig) -> int:
+    """Rows of x per tile of a swap_ab config: a power of two from 16 (tl.dot's smallest N side) to
+    the config's block_m."""
+    return min(config.block_m, max(16, 1 << max(0, m - 1).bit_length()))
 
 
 def block_k(dtype: torch.dtype) -> int:

@@ -27,7 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
-from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, row_config_for
+from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, row_config_for, swap_rows
 
 
 @triton.jit
@@ -58,10 +58,16 @@ def _join(acc, j, h1, h2, h4, COUNT: tl.constexpr):
 
 
 @triton.jit
-def _step(x_desc, w_desc, off_m, off_n, kk, acc, WIDEN_OPERANDS: tl.constexpr):
-    """acc + x[off_m:, kk:kk + BLOCK_K] @ w[off_n:, kk:kk + BLOCK_K]^T, one BLOCK_K step."""
-    a = x_desc.load([off_m, kk])
-    b = w_desc.load([off_n, kk]).T
+def _step(x_desc, w_desc, off_m, off_n, kk, acc, WIDEN_OPERANDS: tl.constexpr, SWAP: tl.constexpr):
+    """acc + x[off_m:, kk:kk + BLOCK_K] @ w[off_n:, kk:kk + BLOCK_K]^T, one BLOCK_K step; SWAP: its
+    transpose, w[off_n:, kk:] @ x[off_m:, kk:]^T (the weight rows as the MMA's M side, as in
+    matmul._gemm_swap_kernel: the same sums)."""
+    if SWAP:
+        a = w_desc.load([off_n, kk])
+        b = x_desc.load([off_m, kk]).T
+    else:
+        a = x_desc.load([off_m, kk])
+        b = w_desc.load([off_n, kk]).T
     if WIDEN_OPERANDS:  # the interpreter multiplies bf16 tiles as raw bits (see matmul.py)
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -70,8 +76,9 @@ def _step(x_desc, w_desc, off_m, off_n, kk, acc, WIDEN_OPERANDS: tl.constexpr):
 
 @triton.jit
 def _subtree(x_desc, w_desc, off_m, off_n, K_CHUNK, K_PAD, first, COUNT: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN_OPERANDS: tl.constexpr, PER_CHUNK_LOOPS: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] fp32: the balanced tree over the products of the chunks first ..
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN_OPERANDS: tl.constexpr, PER_CHUNK_LOOPS: tl.constexpr,
+             SWAP: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 ([BLOCK_N, BLOCK_M] with SWAP): the balanced tree over the products of the chunks first ..
     first + COUNT - 1 (COUNT 1, 2, 4 or 8; first a multiple of COUNT). Chunk c's columns start at
     c * K_PAD (K_PAD >= K_CHUNK, whole BLOCK_K steps; the padding holds zeros).
 
@@ -84,25 +91,27 @@ def _subtree(x_desc, w_desc, off_m, off_n, K_CHUNK, K_PAD, first, COUNT: tl.cons
       waited for (wgmma.wait_group 0). Eight unrolled loops (a whole tree) ran slower: the sweep
       (benchmarks/sweep_rowtree.py) found each structure faster where it is used."""
     steps = tl.cdiv(K_CHUNK, BLOCK_K)
-    h1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # a finished chunk waiting for its sibling
-    h2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # a finished pair
-    h4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # a finished quad
-    root = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ROWS: tl.constexpr = BLOCK_N if SWAP else BLOCK_M
+    COLS: tl.constexpr = BLOCK_M if SWAP else BLOCK_N
+    h1 = tl.zeros((ROWS, COLS), dtype=tl.float32)  # a finished chunk waiting for its sibling
+    h2 = tl.zeros((ROWS, COLS), dtype=tl.float32)  # a finished pair
+    h4 = tl.zeros((ROWS, COLS), dtype=tl.float32)  # a finished quad
+    root = tl.zeros((ROWS, COLS), dtype=tl.float32)
     if PER_CHUNK_LOOPS:
         for j in tl.static_range(0, COUNT):
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
             for ki in range(0, steps):
-                acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + ki * BLOCK_K, acc, WIDEN_OPERANDS)
+                acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + ki * BLOCK_K, acc, WIDEN_OPERANDS, SWAP)
             h1, h2, h4, root = _join(acc, j, h1, h2, h4, COUNT)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
         for i in range(0, COUNT * steps):
             j = i // steps
             ki = i - j * steps
-            acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + ki * BLOCK_K, acc, WIDEN_OPERANDS)
+            acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + ki * BLOCK_K, acc, WIDEN_OPERANDS, SWAP)
             if ki == steps - 1:  # chunk j is complete: join the tree
                 h1, h2, h4, root = _join(acc, j, h1, h2, h4, COUNT)
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
     return root
 
 
@@ -132,7 +141,9 @@ def _root(ws, step, mask, S: tl.constexpr):
 def _row_tree_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK, K_PAD, stride_o,
                      CHUNKS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, WIDEN_OPERANDS: tl.constexpr,
-                     PER_CHUNK_LOOPS: tl.constexpr):
+                     PER_CHUNK_LOOPS: tl.constexpr, SWAP: tl.constexpr):
+    """BLOCK_M rows of x by BLOCK_N rows of the weight per tile; SWAP: the tile is computed
+    transposed (the weight rows as the MMA's M side: decode-sized x is not padded to 64 rows)."""
     tile = tl.program_id(0)
     s = tl.program_id(1)  # which subtree of this tile
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -146,15 +157,19 @@ def _row_tree_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK,
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     PER: tl.constexpr = CHUNKS // SPLIT
     root = _subtree(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K_CHUNK, K_PAD, s * PER, PER,
-                    BLOCK_M, BLOCK_N, BLOCK_K, WIDEN_OPERANDS, PER_CHUNK_LOOPS)
-    inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    out = out_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
+                    BLOCK_M, BLOCK_N, BLOCK_K, WIDEN_OPERANDS, PER_CHUNK_LOOPS, SWAP)
+    if SWAP:  # root [BLOCK_N, BLOCK_M]: element (n, m) is out[m, n]
+        row_m, col_n = offs_m[None, :], offs_n[:, None]
+    else:
+        row_m, col_n = offs_m[:, None], offs_n[None, :]
+    inside = (row_m < M) & (col_n < N)
+    out = out_ptr + row_m * stride_o + col_n
     if SPLIT == 1:
         tl.store(out, root.to(out_ptr.dtype.element_ty), mask=inside)
     else:
         # workspace [SPLIT, M, N] fp32: this subtree's root, then a ticket; the last one sums
         plane = M.to(tl.int64) * N
-        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        ws = ws_ptr + row_m * N + col_n
         tl.store(ws + s * plane, root, mask=inside)
         tl.debug_barrier()  # every thread's stores precede the release
         ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
@@ -202,10 +217,11 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
         return out.zero_()
     cfg = config or row_config_for(m, x.dtype)
     bk = block_k(x.dtype)
+    block_m = swap_rows(m, cfg) if cfg.swap_ab else cfg.block_m
     padded = triton.cdiv(chunk, bk) * bk  # whole BLOCK_K steps per chunk (bk * element size: 16-byte aligned)
-    x_desc = _chunk_descriptor(x, chunks, chunk, padded, cfg.block_m, bk)
+    x_desc = _chunk_descriptor(x, chunks, chunk, padded, block_m, bk)
     w_desc = _chunk_descriptor(weight, chunks, chunk, padded, cfg.block_n, bk)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, cfg.block_n)
     split = split or split_for(tiles, chunks, x.device, cfg.programs_per_sm)
     if split not in (1, 2, 4, 8) or split > chunks:
         raise ValueError(f"row_tree: split {split} must be 1, 2, 4 or 8 and at most the {chunks} chunks")
@@ -216,9 +232,9 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
         ws = tickets = out
     _row_tree_kernel[(tiles, split)](
         x_desc, w_desc, out, ws, tickets, m, n, chunk, padded, out.stride(0),
-        CHUNKS=chunks, SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
+        CHUNKS=chunks, SPLIT=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         GROUP_M=cfg.group_m, WIDEN_OPERANDS=INTERPRETING and x.dtype == torch.bfloat16, PER_CHUNK_LOOPS=split > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SWAP=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
