@@ -77,12 +77,14 @@ CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 ]
 
 
-# The row-parallel GEMM (splitk.py). One 64x128 tile on one warpgroup at every M: the best of the
-# sweep (benchmarks/sweep_rowtree.py, H200, RESULTS.md) at M = 1 .. 4096 on the o_proj and down_proj
-# shapes, against 64x64, 128x64, 128x128 and two-warpgroup tiles. programs_per_sm is the program count
-# the subtree split aims for at small M (programs = tiles x split); like every field here it never
-# changes the bits.
+# The row-parallel GEMM (splitk.py). Decode-sized x (M <= 64): swapped operands, 64 weight rows per
+# tile (as in the decode bucket above): 0.68-1.02x cuBLAS at M = 1, 8, 64 on o_proj and down against
+# 0.51-0.91x unswapped (H200, benchmarks/sweep_rowtree.py, RESULTS.md). Larger M: one 64x128 tile on
+# one warpgroup, the best of the sweeps at M = 128 .. 4096 against 64x64, 128x64, 128x128 and
+# two-warpgroup tiles. programs_per_sm is the program count the subtree split aims for at small M
+# (programs = tiles x split); like every field here it never changes the bits.
 ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
+    (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=4, programs_per_sm=1, swap_ab=True)),
     (None, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
 ]
 ROW_CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
