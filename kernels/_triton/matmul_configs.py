@@ -46,6 +46,11 @@ CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     # on qkv and gate_up at M = 1 and 8, against 0.53-0.81x for the unswapped 64x128 tiles with two
     # programs per SM; 8 * (64 + 16) * 64 * 2 B = 80 KiB at M <= 16.
     (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=8, swap_ab=True)),
+    # 65-128 rows (the 8B rollout's decode batch) at N < 16,384 (qkv): swapped, all 128 rows of x as
+    # the N side of 64-weight-row programs: 0.795x cuBLAS on qkv at M = 128 against 0.596x for the
+    # bucket below (H200, sweep_gemm.py --column, bits checked against the unswapped kernel at M = 100
+    # and 128). gate/up's width keeps its 128x256 tiles (WIDE_CONFIGS_16BIT: 0.864x vs 0.816x).
+    (128, GemmConfig(block_m=128, block_n=64, group_m=1, num_warps=4, num_stages=6, swap_ab=True)),
     # Medium batches: one warpgroup per 64x128 tile keeps the tile count near one wave at
     # M=256 (N=4096 -> 128 tiles) while each weight tile is reused across the M tiles from L2.
     (256, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=5)),
