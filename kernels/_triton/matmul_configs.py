@@ -47,7 +47,7 @@ CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     # programs per SM; 8 * (64 + 16) * 64 * 2 B = 80 KiB at M <= 16.
     (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=8, swap_ab=True)),
     # 65-128 rows (the 8B rollout's decode batch) at N < 16,384 (qkv): swapped, all 128 rows of x as
-    # the N side of 64-weight-row programs: 0.795x cuBLAS on qkv at M = 128 against 0.596x for the
+    # the N side of 64-weight-row programs: 0.795x cuBLAS on qkv at M = 128 against 0.672x for the
     # bucket below (H200, sweep_gemm.py --column, bits checked against the unswapped kernel at M = 100
     # and 128). gate/up's width keeps its 128x256 tiles (WIDE_CONFIGS_16BIT: 0.864x vs 0.816x).
     (128, GemmConfig(block_m=128, block_n=64, group_m=1, num_warps=4, num_stages=6, swap_ab=True)),
