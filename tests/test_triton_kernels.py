@@ -275,10 +275,12 @@ for _, cfg in ROW_CONFIGS_16BIT:
     descs = {"x_desc": f"tensordesc<bf16[{cfg.block_m}, 64]>", "w_desc": f"tensordesc<bf16[{cfg.block_n}, 64]>",
              "out_ptr": "*bf16", "ws_ptr": "*fp32", "ticket_ptr": "*i32"}
     for split in (1, 2, 4, 8):
-        ce = dict(CHUNKS=8, SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=64, GROUP_M=cfg.group_m,
-                  WIDEN_OPERANDS=False, PER_CHUNK_LOOPS=split > 1, SWAP=cfg.swap_ab)  # as row_tree launches it
-        r = compile_sm90(S._row_tree_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
-        out.append(dict(r, tile=[cfg.block_m, cfg.block_n], split=split))
+        for rows in sorted({cfg.block_m, 16 if cfg.swap_ab else cfg.block_m}):  # a swapped tile's x rows: 16..block_m
+            ce = dict(CHUNKS=8, SPLIT=split, BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_K=64, GROUP_M=cfg.group_m,
+                      WIDEN_OPERANDS=False, PER_CHUNK_LOOPS=split > 1, SWAP=cfg.swap_ab)  # as row_tree launches it
+            descs["x_desc"] = f"tensordesc<bf16[{rows}, 64]>"
+            r = compile_sm90(S._row_tree_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
+            out.append(dict(r, tile=[rows, cfg.block_n], split=split))
 print(json.dumps(out))
 """
 
@@ -289,14 +291,44 @@ def test_row_tree_compiles_to_wgmma():
     loop each: the 8B decode and prefill shapes) keeps its tree in registers; split 1 (four 64x128
     fp32 tiles live: 256 registers a thread) and the split-8 root (eight tiles loaded at once)
     spill a little, and were still the fastest measured (benchmarks/sweep_rowtree.py). Every tile of
-    the table, the swapped decode tile (weight rows as the M side) included."""
-    from lockstep.kernels._triton.matmul_configs import ROW_CONFIGS_16BIT
+    the table, the swapped decode tile (weight rows as the M side, 16 or 64 rows of x) included."""
     from sm90 import probe
 
     results = probe(_ROW_TREE_PROBE)
     for r in results:
         assert {version for version, _ in r["mma"]} == {"3"}, r
-    assert [r["spill_bytes"] for r in results if r["split"] == 2] == [0] * len(ROW_CONFIGS_16BIT), results
+    assert all(r["spill_bytes"] == 0 for r in results if r["split"] == 2), results
+
+
+_SWAP_GEMM_PROBE = r"""
+import json
+from sm90 import compile_sm90
+from lockstep.kernels._triton import matmul as M
+from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, WIDE_CONFIGS_16BIT
+
+out = []
+types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*bf16"}
+for cfg in [c for _, c in CONFIGS_16BIT] + [c for *_, c in WIDE_CONFIGS_16BIT]:
+    if cfg.swap_ab:
+        for rows in sorted({16, cfg.block_m}):
+            ce = dict(HAS_BIAS=False, BLOCK_X=rows, BLOCK_W=cfg.block_n, BLOCK_K=64, WIDEN_OPERANDS=False)
+            r = compile_sm90(M._gemm_swap_kernel, lambda n: types.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
+            out.append(dict(r, rows=rows, weight_rows=cfg.block_n))
+print(json.dumps(out))
+"""
+
+
+def test_swapped_gemm_compiles_to_wgmma():
+    """Compiled for sm_90 (bf16), every swapped config of the GEMM table runs its dots as wgmma at
+    its narrowest (16 rows of x) and widest x tile: the instruction of the unswapped buckets, whose
+    elements are the same sums (the premise of swapping; the GPU row tests check the bits), never
+    mma.sync, and without spills."""
+    from sm90 import probe
+
+    results = probe(_SWAP_GEMM_PROBE)
+    assert {r["rows"] for r in results} >= {16, 64, 128}, results
+    for r in results:
+        assert {version for version, _ in r["mma"]} == {"3"} and r["spill_bytes"] == 0, r
 
 
 # ---------------------------------------------------------------- RMSNorm

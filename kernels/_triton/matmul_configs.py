@@ -29,7 +29,7 @@ class GemmConfig:
     num_stages: int
     programs_per_sm: int = 1  # persistent programs per SM (>1 overlaps one program's epilogue/loads with another's MMA)
     # x @ weight^T computed as (weight @ x^T)^T (matmul._gemm_swap_kernel): block_n weight rows are the
-    # MMA's M side, up to block_m rows of x its N side (16-64 wide): decode-sized x is not padded to
+    # MMA's M side, up to block_m rows of x its N side (16-128 wide): decode-sized x is not padded to
     # 64 rows. Same sums: for bf16 on sm_90 both orders are one wgmma per BLOCK_K step.
     swap_ab: bool = False
 

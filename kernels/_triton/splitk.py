@@ -78,8 +78,8 @@ def _step(x_desc, w_desc, off_m, off_n, kk, acc, WIDEN_OPERANDS: tl.constexpr, S
 def _subtree(x_desc, w_desc, off_m, off_n, K_CHUNK, K_PAD, first, COUNT: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN_OPERANDS: tl.constexpr, PER_CHUNK_LOOPS: tl.constexpr,
              SWAP: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] fp32 ([BLOCK_N, BLOCK_M] with SWAP): the balanced tree over the products of the chunks first ..
-    first + COUNT - 1 (COUNT 1, 2, 4 or 8; first a multiple of COUNT). Chunk c's columns start at
+    """[BLOCK_M, BLOCK_N] fp32 ([BLOCK_N, BLOCK_M] with SWAP): the balanced tree over the products
+    of the chunks first .. first + COUNT - 1 (COUNT 1, 2, 4 or 8; first a multiple of COUNT). Chunk c's columns start at
     c * K_PAD (K_PAD >= K_CHUNK, whole BLOCK_K steps; the padding holds zeros).
 
     Each chunk's product accumulates from zero over its BLOCK_K steps in ascending k, then joins
