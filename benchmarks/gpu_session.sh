@@ -31,7 +31,8 @@
 #   sweep_attention benchmarks/sweep_attention.py (attention forward: tile, load schedule x stages, bitwise-checked;
 #               entries $SWEEP_ENTRIES, default decode,prefill)
 #   sweep_logp  benchmarks/sweep_logp.py (linear-logp row blocks at T = 128, 256, 4096 vs the bare GEMM)
-#   sweep_gemm_column benchmarks/sweep_gemm.py --column (narrow/deep decode tiles on qkv and gate_up)
+#   sweep_gemm_column benchmarks/sweep_gemm.py --column (tiles up to 256 rows, swapped ones too, on qkv and gate_up;
+#               bits checked against the table's kernel)
 #   sweep_gemm_m benchmarks/sweep_gemm.py --m $GEMM_M (default 128: the decode batch), each shape on its own
 set -uo pipefail
 OUT=${OUT:-/tmp/lockstep-out}
@@ -107,7 +108,7 @@ for stage in "$@"; do
                > "$OUT/attention.log" 2>&1; tail -40 "$OUT/attention.log" ;;
     sweep_logp) link_lockstep; timeout 300 python3 benchmarks/sweep_logp.py > "$OUT/sweep_logp.log" 2>&1; tail -12 "$OUT/sweep_logp.log" ;;
     sweep_gemm_column) link_lockstep; timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_gemm.py --column \
-               > "$OUT/sweep_gemm_column.log" 2>&1; tail -12 "$OUT/sweep_gemm_column.log" ;;
+               > "$OUT/sweep_gemm_column.log" 2>&1; tail -16 "$OUT/sweep_gemm_column.log" ;;
     sweep_gemm_m) link_lockstep; timeout 330 python3 benchmarks/sweep_gemm.py --m "${GEMM_M:-128}" > "$OUT/sweep_gemm_m.log" 2>&1
              tail -8 "$OUT/sweep_gemm_m.log" ;;
     kernels) link_lockstep; timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;

@@ -2,9 +2,10 @@
 
     python benchmarks/sweep_gemm.py            # every M bucket
     python benchmarks/sweep_gemm.py --m 128    # one M, each shape (and the LM head) on its own
-    python benchmarks/sweep_gemm.py --column   # the decode bucket judged on qkv and gate_up alone
-                                               # (what the model runs through `linear`; o and down
-                                               # run the row-parallel tree), narrow and deep tiles too
+    python benchmarks/sweep_gemm.py --column   # the buckets up to 256 rows judged on qkv and gate_up
+                                               # alone (what the model runs through `linear`; o and
+                                               # down run the row-parallel tree), swapped tiles too,
+                                               # each candidate's bits checked against the table's
 
 For each M bucket of kernels/_triton/matmul_configs.py, every candidate is timed on the four
 projection shapes at the bucket's representative Ms, as a ratio to cuBLAS measured alongside;
@@ -41,7 +42,9 @@ COLUMN_DECODE = [G(64, 128, 1, 4, 4, 2), G(64, 64, 1, 4, 6, 2), G(64, 64, 1, 4, 
                  G(64, 64, 1, 4, 8, swap_ab=True), G(64, 64, 1, 4, 12, swap_ab=True), G(64, 64, 1, 4, 16, swap_ab=True),
                  G(64, 128, 1, 4, 8, swap_ab=True), G(64, 128, 1, 8, 8, swap_ab=True), G(64, 64, 1, 4, 6, swap_ab=True),
                  # up to 128 rows of x on the N side (the 8B rollout's decode batch)
-                 G(128, 64, 1, 4, 6, swap_ab=True), G(128, 128, 1, 8, 4, swap_ab=True)]
+                 G(128, 64, 1, 4, 6, swap_ab=True), G(128, 128, 1, 8, 4, swap_ab=True),
+                 # up to 256 (one wgmma n256): the 129-256-row bucket, still unswapped at 0.60-0.65x
+                 G(256, 64, 1, 4, 4, swap_ab=True), G(256, 64, 1, 4, 3, swap_ab=True), G(256, 128, 1, 8, 3, swap_ab=True)]
 
 
 def with_config(cfg: mc.GemmConfig, fn):
@@ -83,19 +86,19 @@ def main() -> None:
     if "--column" in sys.argv:
         shapes = [s for s in QWEN3_8B_PROJECTIONS if s[0] in ("qkv", "gate_up")]
         w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) / 64
-        x = torch.randn(128, 4096, device="cuda", dtype=torch.bfloat16)
-        ref = {m: K.linear(x[:m], w) for m in (1, 8, 17, 64, 100, 128)}  # the table's kernel
+        x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
+        ref = {m: K.linear(x[:m], w) for m in (1, 8, 17, 64, 100, 128, 200, 256)}  # the table's kernel
         for cfg in COLUMN_DECODE:
             try:
                 if not all(torch.equal(with_config(cfg, lambda: K.linear(x[:m], w)), ref[m]) for m in ref):
                     print(f"  {cfg}: BITS DIFFER from the table's kernel", flush=True)
                     continue
-                per_m = [ratio(cfg, [m], [shape]) for shape in shapes for m in (1, 8, 64, 128)]
+                per_m = [ratio(cfg, [m], [shape]) for shape in shapes for m in (1, 8, 64, 128, 256)]
             except Exception as e:  # noqa: BLE001 - a config that does not compile is just not a winner
                 print(f"  {cfg}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
                 continue
-            print(f"column M<=64 geomean {statistics.geometric_mean(per_m[:3] + per_m[4:7]):.3f}  qkv M=1,8,64,128 "
-                  f"{' '.join(f'{r:.3f}' for r in per_m[:4])}  gate_up {' '.join(f'{r:.3f}' for r in per_m[4:])}  {cfg}",
+            print(f"column M<=64 geomean {statistics.geometric_mean(per_m[:3] + per_m[5:8]):.3f}  qkv M=1,8,64,128,256 "
+                  f"{' '.join(f'{r:.3f}' for r in per_m[:5])}  gate_up {' '.join(f'{r:.3f}' for r in per_m[5:])}  {cfg}",
                   flush=True)
         return
     if "--m" in sys.argv:
