@@ -36,10 +36,7 @@ SPLIT_CONFIGS = [G(64, 128, 8, 4, 4), G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4)
                  G(128, 64, 1, 4, 4, swap_ab=True), G(256, 64, 1, 4, 3, swap_ab=True)]
 SPLITS = [None, 2, 4, 8]  # None: split_for's choice; splits above the chunk count are skipped
 WHOLE_TREE_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 8, 4), G(64, 128, 8, 4, 4),
-                      G(128, 64, 8, 4, 4),
-                      # two warpgroups on 64x128 / 128x64: the four pending subtrees in 186 registers,
-                      # no spills compiled for sm_90a (one warpgroup: 255 and 572 B spilled)
-                      G(64, 128, 8, 8, 4), G(128, 64, 8, 8, 4)]
+                      G(128, 64, 8, 4, 4)]
 
 
 def candidates(m: int, chunks: int):
