@@ -39,7 +39,7 @@ BUCKETS = {  # bucket bound -> (Ms it is judged on, candidates)
 COLUMN_DECODE = [G(64, 128, 1, 4, 4, 2), G(64, 64, 1, 4, 6, 2), G(64, 64, 1, 4, 10),
                  # swapped operands (weight rows as the MMA's M side, block_n of them per program;
                  # the rows of x, up to block_m, its N side): no 64-row padding of x in every stage
-                 G(64, 64, 1, 4, 8, swap_ab=True), G(64, 64, 1, 4, 12, swap_ab=True), G(64, 64, 1, 4, 16, swap_ab=True),
+                 G(64, 64, 1, 4, 8, swap_ab=True), G(64, 64, 1, 4, 12, swap_ab=True),
                  G(64, 128, 1, 4, 8, swap_ab=True), G(64, 128, 1, 8, 8, swap_ab=True), G(64, 64, 1, 4, 6, swap_ab=True),
                  # up to 128 rows of x on the N side (the 8B rollout's decode batch)
                  G(128, 64, 1, 4, 6, swap_ab=True), G(128, 128, 1, 8, 4, swap_ab=True),

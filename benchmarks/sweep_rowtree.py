@@ -10,8 +10,9 @@ chunk's steps; split > 1: subtrees, one loop per chunk), bf16, vs cuBLAS and vs 
 
 Every candidate computes the same bits (tile and split decide only which program computes an
 element and where a sum is done): each is checked bitwise against the default before it is
-timed. Split candidates run where tiles are few (M <= 256), split 1 where they are many (M >= 128). Prints, per (shape, M), cuBLAS, `linear` and the default's time and the best candidate;
-then each candidate's geometric-mean ratio over the Ms of a bucket.
+timed. Split candidates run where tiles are few (M <= 256), split 1 where they are many (M >= 128).
+Prints, per (shape, M), cuBLAS, `linear` and the default's time and the best candidate; then each
+candidate's geometric-mean ratio over the Ms of a bucket.
 """
 from __future__ import annotations
 

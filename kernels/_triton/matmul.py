@@ -25,7 +25,7 @@ import triton.language as tl
 
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
 from lockstep.kernels._triton._tma import aligned_empty, install_descriptor_allocator, tma_matrix
-from lockstep.kernels._triton.matmul_configs import block_k, config_for, swap_rows
+from lockstep.kernels._triton.matmul_configs import block_k, config_for, tile_rows
 
 
 @triton.jit
@@ -146,7 +146,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None)
     cfg = config_for(m, a.dtype, n)
     install_descriptor_allocator(a.device)
     if cfg.swap_ab and b_transposed and not a_transposed:  # x @ weight^T with an nn.Linear weight
-        rows = swap_rows(m, cfg)
+        rows = tile_rows(m, cfg)
         _gemm_swap_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, rows))](
             a_rows, b_rows, c, c if bias is None else bias, m, n, k, a_rows.stride(0), b_rows.stride(0), c.stride(0),
             HAS_BIAS=bias is not None, BLOCK_X=rows, BLOCK_W=cfg.block_n, BLOCK_K=block_k(a.dtype),

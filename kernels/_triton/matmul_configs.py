@@ -97,9 +97,11 @@ ROW_CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 ]
 
 
-def swap_rows(m: int, config: GemmConfig) -> int:
-    """Rows of x per tile of a swap_ab config: a power of two from 16 (tl.dot's smallest N side) to
-    the config's block_m."""
+def tile_rows(m: int, config: GemmConfig) -> int:
+    """Rows of x per tile of an [m, K] product: block_m, or for a swap_ab config (x's rows as the
+    MMA's N side) the power of two from 16 (tl.dot's smallest N side) to block_m that holds m."""
+    if not config.swap_ab:
+        return config.block_m
     return min(config.block_m, max(16, 1 << max(0, m - 1).bit_length()))
 
 

@@ -27,7 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
-from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, row_config_for, swap_rows
+from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, row_config_for, tile_rows
 
 
 @triton.jit
@@ -217,7 +217,7 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
         return out.zero_()
     cfg = config or row_config_for(m, x.dtype)
     bk = block_k(x.dtype)
-    block_m = swap_rows(m, cfg) if cfg.swap_ab else cfg.block_m
+    block_m = tile_rows(m, cfg)
     padded = triton.cdiv(chunk, bk) * bk  # whole BLOCK_K steps per chunk (bk * element size: 16-byte aligned)
     x_desc = _chunk_descriptor(x, chunks, chunk, padded, block_m, bk)
     w_desc = _chunk_descriptor(weight, chunks, chunk, padded, cfg.block_n, bk)
