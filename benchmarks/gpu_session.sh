@@ -33,6 +33,8 @@
 #   sweep_logp  benchmarks/sweep_logp.py (linear-logp row blocks at T = 128, 256, 4096 vs the bare GEMM)
 #   sweep_gemm_column benchmarks/sweep_gemm.py --column (tiles up to 256 rows, swapped ones too, on qkv and gate_up;
 #               bits checked against the table's kernel)
+#   sweep_gemm_large benchmarks/sweep_gemm.py --large (warp-specialised tiles vs the table at M = 256 .. 4096 on
+#               qkv and gate_up; bits checked against the table's kernel)
 #   sweep_gemm_m benchmarks/sweep_gemm.py --m $GEMM_M (default 128: the decode batch), each shape on its own
 set -uo pipefail
 OUT=${OUT:-/tmp/lockstep-out}
@@ -109,6 +111,8 @@ for stage in "$@"; do
     sweep_logp) link_lockstep; timeout 300 python3 benchmarks/sweep_logp.py > "$OUT/sweep_logp.log" 2>&1; tail -12 "$OUT/sweep_logp.log" ;;
     sweep_gemm_column) link_lockstep; timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_gemm.py --column \
                > "$OUT/sweep_gemm_column.log" 2>&1; tail -16 "$OUT/sweep_gemm_column.log" ;;
+    sweep_gemm_large) link_lockstep; timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_gemm.py --large \
+               > "$OUT/sweep_gemm_large.log" 2>&1; tail -40 "$OUT/sweep_gemm_large.log" ;;
     sweep_gemm_m) link_lockstep; timeout 330 python3 benchmarks/sweep_gemm.py --m "${GEMM_M:-128}" > "$OUT/sweep_gemm_m.log" 2>&1
              tail -8 "$OUT/sweep_gemm_m.log" ;;
     kernels) link_lockstep; timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;

@@ -2,6 +2,8 @@
 
     python benchmarks/sweep_gemm.py            # every M bucket
     python benchmarks/sweep_gemm.py --m 128    # one M, each shape (and the LM head) on its own
+    python benchmarks/sweep_gemm.py --large    # warp-specialised tiles against the table at M = 256 ..
+                                               # 4096 on qkv and gate_up, bits checked first
     python benchmarks/sweep_gemm.py --column   # the buckets up to 256 rows judged on qkv and gate_up
                                                # alone (what the model runs through `linear`; o and
                                                # down run the row-parallel tree), swapped tiles too,
@@ -47,6 +49,14 @@ COLUMN_DECODE = [G(64, 128, 1, 4, 4, 2), G(64, 64, 1, 4, 6, 2), G(64, 64, 1, 4, 
                  G(256, 64, 1, 4, 4, swap_ab=True), G(256, 64, 1, 4, 3, swap_ab=True), G(256, 128, 1, 8, 3, swap_ab=True)]
 
 
+# Warp-specialised candidates (a producer warpgroup and two 64-row consumer warpgroups per
+# 128-row tile, persistent) for the buckets from 129 rows on, against the table's configs.
+LARGE_MS = [256, 512, 1024, 4096]
+LARGE = [G(128, 256, 8, 4, 3, warp_specialize=True), G(128, 128, 8, 4, 4, warp_specialize=True),
+         G(128, 128, 8, 4, 5, warp_specialize=True), G(128, 64, 8, 4, 6, warp_specialize=True),
+         G(256, 128, 8, 4, 3, warp_specialize=True), G(128, 256, 4, 4, 3, warp_specialize=True)]
+
+
 def with_config(cfg: mc.GemmConfig, fn):
     """fn() with cfg as the 16-bit table's only config."""
     original, wide = list(mc.CONFIGS_16BIT), list(mc.WIDE_CONFIGS_16BIT)
@@ -67,6 +77,24 @@ def ratio(cfg: mc.GemmConfig, ms: list[int], shapes=QWEN3_8B_PROJECTIONS) -> flo
                 ratios.append(graph_ms_per_call(lambda: x @ w.t()) / graph_ms_per_call(lambda: K.linear(x, w)))
         return statistics.geometric_mean(ratios)
     return with_config(cfg, run)
+
+
+def large() -> None:
+    """LARGE and the table's own config at each of LARGE_MS on qkv and gate_up, every candidate
+    checked bitwise against the table's kernel at three Ms (one of them a partial tile) first."""
+    shapes = [s for s in QWEN3_8B_PROJECTIONS if s[0] in ("qkv", "gate_up")]
+    w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    x = torch.randn(1100, 4096, device="cuda", dtype=torch.bfloat16)
+    ref = {m: K.linear(x[:m], w) for m in (200, 256, 1100)}
+    for m in LARGE_MS:
+        table = mc.config_for(m, torch.bfloat16, 6144)
+        per = {cfg: [ratio(cfg, [m], [shape]) for shape in shapes] for cfg in [table, *LARGE]
+               if cfg == table or all(torch.equal(with_config(cfg, lambda: K.linear(x[:mm], w)), ref[mm]) for mm in ref)}
+        for cfg in [*LARGE]:
+            if cfg not in per:
+                print(f"  {cfg}: BITS DIFFER from the table's kernel", flush=True)
+        for cfg, r in sorted(per.items(), key=lambda t: -statistics.geometric_mean(t[1])):
+            print(f"M={m} qkv {r[0]:.3f} gate_up {r[1]:.3f}  {'TABLE ' if cfg == table else ''}{cfg}", flush=True)
 
 
 def per_shape(m: int) -> None:
@@ -100,6 +128,9 @@ def main() -> None:
             print(f"column M<=64 geomean {statistics.geometric_mean(per_m[:3] + per_m[5:8]):.3f}  qkv M=1,8,64,128,256 "
                   f"{' '.join(f'{r:.3f}' for r in per_m[:5])}  gate_up {' '.join(f'{r:.3f}' for r in per_m[5:])}  {cfg}",
                   flush=True)
+        return
+    if "--large" in sys.argv:
+        large()
         return
     if "--m" in sys.argv:
         per_shape(int(sys.argv[sys.argv.index("--m") + 1]))

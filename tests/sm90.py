@@ -14,7 +14,8 @@ import pytest
 
 def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: int) -> dict:
     """types(arg name) -> Triton signature type of every non-constexpr argument. Returns the MMA
-    (version, instruction shape) pairs of the TTGIR, ptxas' registers and spilled bytes."""
+    (version, instruction shape) pairs of the TTGIR, ptxas' registers and spilled bytes, and whether
+    the kernel was warp-specialised (a ttg.warp_specialize op: producer and consumer partitions)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -35,7 +36,8 @@ def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: in
                              capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", out)
     spills = re.search(r"(\d+) bytes spill stores", out)
-    return {"mma": mma, "regs": int(regs.group(1)), "spill_bytes": int(spills.group(1)) if spills else 0}
+    return {"mma": mma, "regs": int(regs.group(1)), "spill_bytes": int(spills.group(1)) if spills else 0,
+            "warp_specialized": "ttg.warp_specialize(" in compiled.asm["ttgir"]}
 
 
 def probe(code: str):

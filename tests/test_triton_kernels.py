@@ -257,6 +257,37 @@ def test_row_tree_over_many_tiles_and_chunk_counts():
         assert torch.equal(row_tree(x, w, chunk, torch.float32, split=1), tree), f"{chunks} chunks"
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # masked lanes, interpreter
+def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
+    """A warp-specialised config (persistent, 128-row tiles: a producer and two consumer warpgroups
+    on Hopper) gives `linear` and the row-parallel tree the same bits as the table's kernels, over
+    several tiles and a partial one; the tree refuses a split (whole trees only), and the config
+    refuses what Triton's Hopper pass cannot split (64-row tiles, 8 warps, swapped operands). That
+    the pass really splits each table config is test_row_tree_compiles_to_wgmma's and
+    test_gemm_compiles_to_wgmma's job; the GPU row tests check the bits there."""
+    from dataclasses import replace
+
+    from lockstep.kernels.collectives import tree_sum_ranks
+    from lockstep.kernels._triton import matmul_configs as mc
+    from lockstep.kernels._triton.splitk import row_tree
+
+    ws = mc.GemmConfig(block_m=128, block_n=32, group_m=2, num_warps=4, num_stages=2, warp_specialize=True)
+    x, w, bias = torch.randn(300, 96), torch.randn(72, 96), torch.randn(72)
+    plain = {m: K.linear(x[:m], w, bias) for m in (1, 130, 300)}
+    monkeypatch.setattr(mc, "CONFIGS_FP32", [(None, ws)])
+    for m, ref in plain.items():
+        assert torch.equal(K.linear(x[:m], w, bias), ref), f"M={m}"
+    for chunks in (8, 2):
+        chunk = 96 // chunks
+        tree = tree_sum_ranks(_chunk_products(x, w, chunk))
+        assert torch.equal(row_tree(x, w, chunk, torch.float32, config=ws), tree), f"{chunks} chunks"
+    with pytest.raises(ValueError, match="whole trees"):
+        row_tree(x, w, 12, torch.float32, split=2, config=ws)
+    for bad in (dict(block_m=64), dict(num_warps=8), dict(swap_ab=True)):
+        with pytest.raises(ValueError, match="warp_specialize needs"):
+            replace(ws, **bad)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_row_parallel_linear_row_invariant():
     w = torch.randn(24, 64)
@@ -274,13 +305,18 @@ out = []
 for _, cfg in ROW_CONFIGS_16BIT:
     descs = {"x_desc": f"tensordesc<bf16[{cfg.block_m}, 64]>", "w_desc": f"tensordesc<bf16[{cfg.block_n}, 64]>",
              "out_ptr": "*bf16", "ws_ptr": "*fp32", "ticket_ptr": "*i32"}
+    if cfg.warp_specialize:  # whole trees only (split 1), persistent
+        ce = dict(CHUNKS=8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=64, GROUP_M=cfg.group_m, WIDEN_OPERANDS=False)
+        r = compile_sm90(S._row_tree_ws_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
+        out.append(dict(r, tile=[cfg.block_m, cfg.block_n], split=1, ws=True))
+        continue
     for split in (1, 2, 4, 8):
         for rows in sorted({cfg.block_m, 16 if cfg.swap_ab else cfg.block_m}):  # a swapped tile's x rows: 16..block_m
             ce = dict(CHUNKS=8, SPLIT=split, BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_K=64, GROUP_M=cfg.group_m,
-                      WIDEN_OPERANDS=False, PER_CHUNK_LOOPS=split > 1, SWAP=cfg.swap_ab)  # as row_tree launches it
+                      WIDEN_OPERANDS=False, LOOPS="per_chunk" if split > 1 else "flat", SWAP=cfg.swap_ab)  # as row_tree launches it
             descs["x_desc"] = f"tensordesc<bf16[{rows}, 64]>"
             r = compile_sm90(S._row_tree_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
-            out.append(dict(r, tile=[rows, cfg.block_n], split=split))
+            out.append(dict(r, tile=[rows, cfg.block_n], split=split, ws=False))
 print(json.dumps(out))
 """
 
@@ -297,6 +333,8 @@ def test_row_tree_compiles_to_wgmma():
     results = probe(_ROW_TREE_PROBE)
     for r in results:
         assert {version for version, _ in r["mma"]} == {"3"}, r
+        # a warp-specialised config really is split into producer and consumers, without spills
+        assert r["warp_specialized"] == r["ws"] and (r["spill_bytes"] == 0 or not r["ws"]), r
     assert all(r["spill_bytes"] == 0 for r in results if r["split"] == 2), results
 
 

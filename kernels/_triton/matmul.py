@@ -45,9 +45,11 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_a, stride_b, stride_c, num_programs,
                  A_TRANSPOSED: tl.constexpr, B_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 WIDEN_OPERANDS: tl.constexpr):
+                 WIDEN_OPERANDS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """C[M, N] = A[M, K] @ B[K, N] (+ bias). A_TRANSPOSED: a_ptr holds A^T [K, M] row-major;
-    B_TRANSPOSED: b_ptr holds B^T [N, K] row-major (an nn.Linear weight)."""
+    B_TRANSPOSED: b_ptr holds B^T [N, K] row-major (an nn.Linear weight).
+    WARP_SPECIALIZE: the tile loop runs warp-specialised (GemmConfig.warp_specialize), unflattened:
+    Triton's Hopper pass does not split a flattened loop."""
     if A_TRANSPOSED:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M])
     else:
@@ -66,7 +68,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_a, stride_b, str
     # persistent-matmul tutorial), so that flattening the tile and K loops into one pipelined loop
     # does not keep the prologue's values alive across it.
     epilogue_tile = tl.program_id(0) - num_programs
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_programs, flatten=True):
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_programs, flatten=not WARP_SPECIALIZE,
+                     warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -160,7 +163,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None)
         a_rows.stride(0), b_rows.stride(0), c.stride(0), programs,
         A_TRANSPOSED=a_transposed, B_TRANSPOSED=b_transposed, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k(a.dtype), GROUP_M=cfg.group_m,
-        WIDEN_OPERANDS=INTERPRETING and a.dtype == torch.bfloat16,
+        WIDEN_OPERANDS=INTERPRETING and a.dtype == torch.bfloat16, WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return c.contiguous()  # a copy only when N needed a padded row stride

@@ -32,6 +32,16 @@ class GemmConfig:
     # MMA's M side, up to block_m rows of x its N side (16-128 wide): decode-sized x is not padded to
     # 64 rows. Same sums: for bf16 on sm_90 both orders are one wgmma per BLOCK_K step.
     swap_ab: bool = False
+    # Triton's Hopper warp specialisation (tl.range(warp_specialize=True)): num_warps=4 becomes a
+    # producer warpgroup issuing the TMA loads and two consumer warpgroups, each with 64 of the
+    # tile's block_m rows, issuing the MMAs; the loads keep flowing across tile ends and joins.
+    # The same dots in the same order: it moves only which warps do what. Needs block_m a multiple
+    # of 128 and num_warps 4 (the consumers' warps); not with swap_ab (64-row MMA tiles).
+    warp_specialize: bool = False
+
+    def __post_init__(self):
+        if self.warp_specialize and (self.swap_ab or self.num_warps != 4 or self.block_m % 128):
+            raise ValueError(f"{self}: warp_specialize needs block_m a multiple of 128, num_warps=4 and no swap_ab")
 
 
 BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
