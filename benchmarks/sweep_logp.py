@@ -1,7 +1,8 @@
-"""Row-block sweep for the fused linear-logp forward (bf16, H=4096, V=151936), against the bare
-LM-head GEMM measured alongside. BLOCK_T and its warps decide only which program computes a row,
-never a row's arithmetic (kernels/_triton/logp.py), so every candidate keeps the bits. Kernel time
-on both sides (CUDA-graph replays, bench_logp.fwd_ms).
+"""Row-block and MMA-tile sweep for the fused linear-logp forward (bf16, H=4096, V=151936), against
+the bare LM-head GEMM measured alongside. BLOCK_T and its warps decide only which program computes a
+row, and mma_v and the stages only how many vocab tiles one MMA multiplies, never a row's arithmetic
+(kernels/_triton/logp.py): every candidate's output is checked bitwise against the table's before
+it is timed. Kernel time on both sides (CUDA-graph replays, bench_logp.fwd_ms).
 
     python benchmarks/sweep_logp.py
 """
@@ -13,7 +14,14 @@ from bench_logp import fwd_ms
 import lockstep.kernels as K
 from lockstep.kernels._triton import logp as triton_logp
 
-CANDIDATES = [{128: 8, 64: 4}, {64: 4}, {128: 8}]  # the first: the table (its choice per T is _block_t's)
+from dataclasses import replace
+
+TABLE = triton_logp.TILE_CONFIGS[torch.bfloat16]
+# (row blocks -> warps, tile config); the first: the table (its choice per T is _block_t's)
+CANDIDATES = [({128: 8, 64: 4}, TABLE), ({128: 8}, TABLE),
+              ({128: 8, 64: 4}, replace(TABLE, mma_v=256, num_stages=3)),
+              ({128: 8, 64: 4}, replace(TABLE, mma_v=256, num_stages=4)),
+              ({128: 8}, replace(TABLE, mma_v=256, num_stages=4)), ({64: 4}, replace(TABLE, mma_v=256, num_stages=4))]
 H, V = 4096, 151936
 
 
@@ -24,12 +32,17 @@ def main() -> None:
         h = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
         tgt = torch.randint(0, V, (t,), device="cuda")
         gemm = fwd_ms(lambda: h @ w.t())
-        for cand in CANDIDATES:
-            triton_logp.BLOCK_T_WARPS = cand
+        ref = K.linear_logp(h, w, tgt, with_entropy=True)
+        for warps, cfg in CANDIDATES:
+            triton_logp.BLOCK_T_WARPS, triton_logp.TILE_CONFIGS[torch.bfloat16] = warps, cfg
+            got = K.linear_logp(h, w, tgt, with_entropy=True)
+            if not all(torch.equal(a, b) for a, b in zip(got, ref)):
+                print(f"T={t} {warps} {cfg}: BITS DIFFER from the table's", flush=True)
+                continue
             ms = fwd_ms(lambda: K.linear_logp(h, w, tgt))
-            print(f"T={t} BLOCK_T_WARPS={cand}: {ms:.3f} ms = {ms / gemm:.3f}x bare GEMM ({gemm:.3f} ms)", flush=True)
-        triton_logp.BLOCK_T_WARPS = CANDIDATES[0]
-
+            print(f"T={t} BLOCK_T_WARPS={warps} {cfg}: {ms:.3f} ms = {ms / gemm:.3f}x bare GEMM ({gemm:.3f} ms)",
+                  flush=True)
+        triton_logp.BLOCK_T_WARPS, triton_logp.TILE_CONFIGS[torch.bfloat16] = CANDIDATES[0]
 
 if __name__ == "__main__":
     main()
