@@ -338,35 +338,43 @@ def test_row_tree_compiles_to_wgmma():
     assert all(r["spill_bytes"] == 0 for r in results if r["split"] == 2), results
 
 
-_SWAP_GEMM_PROBE = r"""
+_GEMM_PROBE = r"""
 import json
 from sm90 import compile_sm90
 from lockstep.kernels._triton import matmul as M
 from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, WIDE_CONFIGS_16BIT
 
 out = []
-types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*bf16"}
+types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*bf16"}
 for cfg in [c for _, c in CONFIGS_16BIT] + [c for *_, c in WIDE_CONFIGS_16BIT]:
     if cfg.swap_ab:
         for rows in sorted({16, cfg.block_m}):
             ce = dict(HAS_BIAS=False, BLOCK_X=rows, BLOCK_W=cfg.block_n, BLOCK_K=64, WIDEN_OPERANDS=False)
             r = compile_sm90(M._gemm_swap_kernel, lambda n: types.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
-            out.append(dict(r, rows=rows, weight_rows=cfg.block_n))
+            out.append(dict(r, rows=rows, weight_rows=cfg.block_n, ws=False))
+    else:  # as `linear` launches it (x @ weight^T), and as the backward's dW = g^T @ x
+        for a_t, b_t in ((False, True), (True, False)):
+            ce = dict(A_TRANSPOSED=a_t, B_TRANSPOSED=b_t, HAS_BIAS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      BLOCK_K=64, GROUP_M=cfg.group_m, WIDEN_OPERANDS=False, WARP_SPECIALIZE=cfg.warp_specialize)
+            r = compile_sm90(M._gemm_kernel, lambda n: types.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
+            out.append(dict(r, rows=cfg.block_m, weight_rows=cfg.block_n, ws=cfg.warp_specialize))
 print(json.dumps(out))
 """
 
 
-def test_swapped_gemm_compiles_to_wgmma():
-    """Compiled for sm_90 (bf16), every swapped config of the GEMM table runs its dots as wgmma at
-    its narrowest (16 rows of x) and widest x tile: the instruction of the unswapped buckets, whose
-    elements are the same sums (the premise of swapping; the GPU row tests check the bits), never
-    mma.sync, and without spills."""
+def test_gemm_table_compiles_to_wgmma():
+    """Compiled for sm_90 (bf16), every config of the GEMM table runs its dots as wgmma without
+    spills: a swapped config at its narrowest (16 rows of x) and widest x tile (the instruction of
+    the unswapped buckets, whose elements are the same sums: the premise of swapping; the GPU row
+    tests check the bits), never mma.sync; a warp-specialised one really split into a producer and
+    consumers (forward and backward operand layouts), the others not."""
     from sm90 import probe
 
-    results = probe(_SWAP_GEMM_PROBE)
+    results = probe(_GEMM_PROBE)
     assert {r["rows"] for r in results} >= {16, 64, 128}, results
     for r in results:
         assert {version for version, _ in r["mma"]} == {"3"} and r["spill_bytes"] == 0, r
+        assert r["warp_specialized"] == r["ws"], r
 
 
 # ---------------------------------------------------------------- RMSNorm
