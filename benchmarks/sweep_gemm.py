@@ -36,17 +36,20 @@ BUCKETS = {  # bucket bound -> (Ms it is judged on, candidates)
 }
 
 
-# Decode-bucket candidates for the column-parallel shapes: 128- and 64-column tiles, deeper pipelines,
-# swapped operands (narrower tiles and several K steps per stage ran slower on an H200, RESULTS.md).
-COLUMN_DECODE = [G(64, 128, 1, 4, 4, 2), G(64, 64, 1, 4, 6, 2), G(64, 64, 1, 4, 10),
-                 # swapped operands (weight rows as the MMA's M side, block_n of them per program;
-                 # the rows of x, up to block_m, its N side): no 64-row padding of x in every stage
-                 G(64, 64, 1, 4, 8, swap_ab=True), G(64, 64, 1, 4, 12, swap_ab=True),
-                 G(64, 128, 1, 4, 8, swap_ab=True), G(64, 128, 1, 8, 8, swap_ab=True), G(64, 64, 1, 4, 6, swap_ab=True),
-                 # up to 128 rows of x on the N side (the 8B rollout's decode batch)
-                 G(128, 64, 1, 4, 6, swap_ab=True), G(128, 128, 1, 8, 4, swap_ab=True),
+# Decode-bucket candidates for the column-parallel shapes, all with swapped operands (weight rows as
+# the MMA's M side, block_n of them per program; the rows of x, up to block_m, its N side): no 64-row
+# padding of x in every stage (unswapped, narrower and multi-step tiles lost on an H200, RESULTS.md).
+COLUMN_DECODE = [G(64, 64, 1, 4, 8, swap_ab=True), G(64, 128, 1, 4, 8, swap_ab=True),  # the table's (M <= 64)
+                 G(128, 64, 1, 4, 6, swap_ab=True),  # the table's 65-128 rows at qkv's N
                  # up to 256 (one wgmma n256): the 129-256-row bucket, still unswapped at 0.60-0.65x
-                 G(256, 64, 1, 4, 4, swap_ab=True), G(256, 64, 1, 4, 3, swap_ab=True), G(256, 128, 1, 8, 3, swap_ab=True)]
+                 G(256, 64, 1, 4, 4, swap_ab=True), G(256, 64, 1, 4, 3, swap_ab=True), G(256, 128, 1, 8, 3, swap_ab=True),
+                 # warp-specialised: a producer warpgroup streams the weight, two consumers take 64 of
+                 # a program's 128 (or 256) weight rows each
+                 G(64, 128, 1, 4, 8, swap_ab=True, warp_specialize=True),
+                 G(64, 128, 1, 4, 12, swap_ab=True, warp_specialize=True),
+                 G(128, 128, 1, 4, 6, swap_ab=True, warp_specialize=True),
+                 G(64, 256, 1, 4, 6, swap_ab=True, warp_specialize=True),
+                 G(256, 128, 1, 4, 3, swap_ab=True, warp_specialize=True)]
 
 
 # Warp-specialised candidates (a producer warpgroup and two 64-row consumer warpgroups per

@@ -259,12 +259,13 @@ def test_row_tree_over_many_tiles_and_chunk_counts():
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # masked lanes, interpreter
 def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
-    """A warp-specialised config (persistent, 128-row tiles: a producer and two consumer warpgroups
-    on Hopper) gives `linear` and the row-parallel tree the same bits as the table's kernels, over
-    several tiles and a partial one; the tree refuses a split (whole trees only), and the config
-    refuses what Triton's Hopper pass cannot split (64-row tiles, 8 warps, swapped operands). That
-    the pass really splits each table config is test_row_tree_compiles_to_wgmma's and
-    test_gemm_compiles_to_wgmma's job; the GPU row tests check the bits there."""
+    """A warp-specialised config (a producer and two consumer warpgroups on Hopper, 128 MMA rows a
+    tile) gives the same bits as the table's kernels: `linear` persistent over several tiles and a
+    partial one, `linear` swapped (128 weight rows a tile), and the row-parallel tree. The tree
+    refuses a split (whole trees only) and swapped operands; the config refuses what Triton's
+    Hopper pass cannot split (64 MMA rows, 8 warps). That the pass really splits each table config
+    is the sm_90 probes' job (test_gemm_table_compiles_to_wgmma, test_row_tree_compiles_to_wgmma);
+    the GPU row tests check the bits there."""
     from dataclasses import replace
 
     from lockstep.kernels.collectives import tree_sum_ranks
@@ -272,18 +273,22 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
     from lockstep.kernels._triton.splitk import row_tree
 
     ws = mc.GemmConfig(block_m=128, block_n=32, group_m=2, num_warps=4, num_stages=2, warp_specialize=True)
-    x, w, bias = torch.randn(300, 96), torch.randn(72, 96), torch.randn(72)
-    plain = {m: K.linear(x[:m], w, bias) for m in (1, 130, 300)}
-    monkeypatch.setattr(mc, "CONFIGS_FP32", [(None, ws)])
-    for m, ref in plain.items():
-        assert torch.equal(K.linear(x[:m], w, bias), ref), f"M={m}"
+    swapped = replace(ws, block_m=32, block_n=128, swap_ab=True)
+    x, w, bias = torch.randn(300, 96), torch.randn(200, 96), torch.randn(200)
+    plain = {m: K.linear(x[:m], w, bias) for m in (1, 40, 130, 300)}
+    for cfg, ms in ((ws, (1, 130, 300)), (swapped, (1, 40))):
+        monkeypatch.setattr(mc, "CONFIGS_FP32", [(None, cfg)])
+        for m in ms:
+            assert torch.equal(K.linear(x[:m], w, bias), plain[m]), (cfg, m)
     for chunks in (8, 2):
         chunk = 96 // chunks
         tree = tree_sum_ranks(_chunk_products(x, w, chunk))
         assert torch.equal(row_tree(x, w, chunk, torch.float32, config=ws), tree), f"{chunks} chunks"
     with pytest.raises(ValueError, match="whole trees"):
         row_tree(x, w, 12, torch.float32, split=2, config=ws)
-    for bad in (dict(block_m=64), dict(num_warps=8), dict(swap_ab=True)):
+    with pytest.raises(ValueError, match="unswapped"):
+        row_tree(x, w, 12, torch.float32, config=swapped)
+    for bad in (dict(block_m=64), dict(num_warps=8), dict(block_m=32, block_n=64, swap_ab=True)):
         with pytest.raises(ValueError, match="warp_specialize needs"):
             replace(ws, **bad)
 
@@ -349,9 +354,10 @@ types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16",
 for cfg in [c for _, c in CONFIGS_16BIT] + [c for *_, c in WIDE_CONFIGS_16BIT]:
     if cfg.swap_ab:
         for rows in sorted({16, cfg.block_m}):
-            ce = dict(HAS_BIAS=False, BLOCK_X=rows, BLOCK_W=cfg.block_n, BLOCK_K=64, WIDEN_OPERANDS=False)
+            ce = dict(HAS_BIAS=False, BLOCK_X=rows, BLOCK_W=cfg.block_n, BLOCK_K=64, WIDEN_OPERANDS=False,
+                      WARP_SPECIALIZE=cfg.warp_specialize)
             r = compile_sm90(M._gemm_swap_kernel, lambda n: types.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
-            out.append(dict(r, rows=rows, weight_rows=cfg.block_n, ws=False))
+            out.append(dict(r, rows=rows, weight_rows=cfg.block_n, ws=cfg.warp_specialize))
     else:  # as `linear` launches it (x @ weight^T), and as the backward's dW = g^T @ x
         for a_t, b_t in ((False, True), (True, False)):
             ce = dict(A_TRANSPOSED=a_t, B_TRANSPOSED=b_t, HAS_BIAS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -106,19 +106,21 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_a, stride_b, str
 @triton.jit(do_not_specialize=["M"])
 def _gemm_swap_kernel(x_ptr, w_ptr, c_ptr, bias_ptr, M, N, K, stride_x, stride_w, stride_c, HAS_BIAS: tl.constexpr,
                       BLOCK_X: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
-                      WIDEN_OPERANDS: tl.constexpr):
+                      WIDEN_OPERANDS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """C[M, N] = X[M, K] @ W[N, K]^T (+ bias) for a few rows, computed as C^T = W @ X^T: the weight
     rows are the MMA's M side (BLOCK_W, a multiple of the 64 rows a wgmma takes) and the rows of X
     its N side (BLOCK_X, 16-128 wide), so a decode-sized X is not padded to 64 rows in every stage.
     Each element is the same sum as in _gemm_kernel: the same BLOCK_K steps in ascending k, each one
     wgmma, whose elements do not depend on which operand is which (checked on the GPU by the row
-    tests of every M bucket). One program per tile, no persistence: decode shapes have few tiles."""
+    tests of every M bucket). One program per tile, no persistence: decode shapes have few tiles.
+    WARP_SPECIALIZE: the K loop runs warp-specialised (a producer warpgroup keeps the weight's TMA
+    loads in flight; two consumer warpgroups take 64 of the BLOCK_W weight rows each)."""
     pid_w = tl.program_id(0)
     pid_x = tl.program_id(1)
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_w, 1], block_shape=[BLOCK_W, BLOCK_K])
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_x, 1], block_shape=[BLOCK_X, BLOCK_K])
     acc = tl.zeros((BLOCK_W, BLOCK_X), dtype=tl.float32)
-    for ki in range(tl.cdiv(K, BLOCK_K)):  # ascending k, the same BLOCK_K steps as _gemm_kernel
+    for ki in tl.range(tl.cdiv(K, BLOCK_K), warp_specialize=WARP_SPECIALIZE):  # ascending k, as _gemm_kernel
         w = w_desc.load([pid_w * BLOCK_W, ki * BLOCK_K])
         x = x_desc.load([pid_x * BLOCK_X, ki * BLOCK_K]).T
         if WIDEN_OPERANDS:  # the interpreter multiplies bf16 tiles as raw bits (see _gemm_kernel)
@@ -153,8 +155,8 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None)
         _gemm_swap_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, rows))](
             a_rows, b_rows, c, c if bias is None else bias, m, n, k, a_rows.stride(0), b_rows.stride(0), c.stride(0),
             HAS_BIAS=bias is not None, BLOCK_X=rows, BLOCK_W=cfg.block_n, BLOCK_K=block_k(a.dtype),
-            WIDEN_OPERANDS=INTERPRETING and a.dtype == torch.bfloat16, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+            WIDEN_OPERANDS=INTERPRETING and a.dtype == torch.bfloat16, WARP_SPECIALIZE=cfg.warp_specialize,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return c.contiguous()
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = min(tiles, resident_programs(a.device) * cfg.programs_per_sm)

@@ -34,14 +34,16 @@ class GemmConfig:
     swap_ab: bool = False
     # Triton's Hopper warp specialisation (tl.range(warp_specialize=True)): num_warps=4 becomes a
     # producer warpgroup issuing the TMA loads and two consumer warpgroups, each with 64 of the
-    # tile's block_m rows, issuing the MMAs; the loads keep flowing across tile ends and joins.
-    # The same dots in the same order: it moves only which warps do what. Needs block_m a multiple
-    # of 128 and num_warps 4 (the consumers' warps); not with swap_ab (64-row MMA tiles).
+    # tile's MMA rows, issuing the MMAs; the loads keep flowing across tile ends and joins.
+    # The same dots in the same order: it moves only which warps do what. Needs num_warps 4 (the
+    # consumers' warps) and 128 MMA rows a tile to split (block_m, or with swap_ab the block_n
+    # weight rows); the row-parallel tree takes it unswapped only.
     warp_specialize: bool = False
 
     def __post_init__(self):
-        if self.warp_specialize and (self.swap_ab or self.num_warps != 4 or self.block_m % 128):
-            raise ValueError(f"{self}: warp_specialize needs block_m a multiple of 128, num_warps=4 and no swap_ab")
+        if self.warp_specialize and (self.num_warps != 4 or (self.block_n if self.swap_ab else self.block_m) % 128):
+            raise ValueError(f"{self}: warp_specialize needs num_warps=4 and a multiple of 128 MMA rows "
+                             "(block_m, or block_n with swap_ab)")
 
 
 BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}

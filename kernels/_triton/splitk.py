@@ -252,6 +252,8 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, cfg.block_n)
     wide = INTERPRETING and x.dtype == torch.bfloat16
     if cfg.warp_specialize:
+        if cfg.swap_ab:
+            raise ValueError(f"row_tree: {cfg}: a warp-specialised tree is unswapped")
         if split not in (None, 1):
             raise ValueError(f"row_tree: a warp-specialised config computes whole trees (split 1), got split {split}")
         programs = min(tiles, resident_programs(x.device))
