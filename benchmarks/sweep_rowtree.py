@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("out", nargs="?")
     p.add_argument("--shapes", choices=sorted(SHAPES), default="row")
     p.add_argument("--chunks", type=int, choices=(2, 4, 8), default=8, help="K chunks of the tree")
+    p.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated row counts (default: %(default)s)")
     args = p.parse_args()
     K.set_backend("triton")
     lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shapes} shapes, "
@@ -66,7 +67,7 @@ def main() -> None:
     for name, k, n in SHAPES[args.shapes]:
         w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
         chunk = k // args.chunks
-        for m in MS:
+        for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda").bfloat16()
             ref = row_tree(x, w, chunk, x.dtype)
             cublas = graph_ms_per_call(lambda: x @ w.t()) * 1e3
