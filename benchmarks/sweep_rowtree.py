@@ -39,15 +39,16 @@ SPLITS = [None, 2, 4, 8]  # None: split_for's choice; splits above the chunk cou
 WHOLE_TREE_CONFIGS = [G(64, 128, 8, 4, 4), G(128, 64, 8, 4, 4),
                       # persistent and warp-specialised (a producer warpgroup streams the chunks
                       # across the joins; two consumer warpgroups of 64 rows each)
-                      G(128, 64, 8, 4, 4, warp_specialize=True), G(128, 64, 8, 4, 6, warp_specialize=True),
+                      # (at most 4 stages: GemmConfig refuses more)
+                      G(128, 64, 8, 4, 4, warp_specialize=True), G(128, 64, 8, 4, 3, warp_specialize=True),
                       G(128, 128, 8, 4, 3, warp_specialize=True), G(128, 128, 8, 4, 4, warp_specialize=True),
-                      G(256, 64, 8, 4, 4, warp_specialize=True), G(128, 64, 4, 4, 6, warp_specialize=True)]
+                      G(256, 64, 8, 4, 4, warp_specialize=True), G(128, 64, 4, 4, 4, warp_specialize=True)]
 
 
-def candidates(m: int, chunks: int):
-    if m <= 256:
+def candidates(m: int, chunks: int, whole_only: bool = False):
+    if m <= 256 and not whole_only:
         yield from ((cfg, split) for cfg in SPLIT_CONFIGS for split in SPLITS if not split or split <= chunks)
-    if m >= 128:
+    if m >= 128 or whole_only:
         yield from ((cfg, 1) for cfg in WHOLE_TREE_CONFIGS)
 
 
@@ -57,6 +58,7 @@ def main() -> None:
     p.add_argument("--shapes", choices=sorted(SHAPES), default="row")
     p.add_argument("--chunks", type=int, choices=(2, 4, 8), default=8, help="K chunks of the tree")
     p.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated row counts (default: %(default)s)")
+    p.add_argument("--whole-only", action="store_true", help="only whole-tree (split 1) candidates, at every M")
     args = p.parse_args()
     K.set_backend("triton")
     lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shapes} shapes, "
@@ -74,7 +76,7 @@ def main() -> None:
             linear = graph_ms_per_call(lambda: K.linear(x, w)) * 1e3
             default = graph_ms_per_call(lambda: row_tree(x, w, chunk, x.dtype)) * 1e3
             best = (default, "default")
-            for cfg, split in candidates(m, args.chunks):
+            for cfg, split in candidates(m, args.chunks, args.whole_only):
                 key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm,
                        "swap" if cfg.swap_ab else "ws" if cfg.warp_specialize else "-", split or "auto")
                 fn = lambda: row_tree(x, w, chunk, x.dtype, split=split, config=cfg)  # noqa: E731
@@ -84,8 +86,11 @@ def main() -> None:
                     print(f"  {name} M={m} {key}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
                     continue
                 if not torch.equal(got, ref):
-                    raise AssertionError(f"{name} M={m} {key}: bits differ from the default")
+                    print(f"  {name} M={m} {key}: BITS DIFFER from the default, max |diff| "
+                          f"{(got.float() - ref.float()).abs().max().item():.3g}", flush=True)
+                    continue
                 us = graph_ms_per_call(fn) * 1e3
+                print(f"  {name} M={m} {key}: {us:.1f} us, {cublas / us:.3f}x cuBLAS", flush=True)
                 scores.setdefault(key, []).append((m, cublas / us))
                 if us < best[0]:
                     best = (us, str(key))

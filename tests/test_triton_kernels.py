@@ -358,12 +358,14 @@ for cfg in [c for _, c in CONFIGS_16BIT] + [c for *_, c in WIDE_CONFIGS_16BIT]:
                       WARP_SPECIALIZE=cfg.warp_specialize)
             r = compile_sm90(M._gemm_swap_kernel, lambda n: types.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
             out.append(dict(r, rows=rows, weight_rows=cfg.block_n, ws=cfg.warp_specialize))
-    else:  # as `linear` launches it (x @ weight^T), and as the backward's dW = g^T @ x
-        for a_t, b_t in ((False, True), (True, False)):
-            ce = dict(A_TRANSPOSED=a_t, B_TRANSPOSED=b_t, HAS_BIAS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      BLOCK_K=64, GROUP_M=cfg.group_m, WIDEN_OPERANDS=False, WARP_SPECIALIZE=cfg.warp_specialize)
-            r = compile_sm90(M._gemm_kernel, lambda n: types.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
-            out.append(dict(r, rows=cfg.block_m, weight_rows=cfg.block_n, ws=cfg.warp_specialize))
+    # unswapped: as `linear` launches it (x @ weight^T), and in the backward's layouts (dx = g @ W,
+    # dW = g^T @ x), which run a swapped config unswapped
+    ws = cfg.warp_specialize and not cfg.swap_ab
+    for a_t, b_t in ((False, True), (False, False), (True, False)):
+        ce = dict(A_TRANSPOSED=a_t, B_TRANSPOSED=b_t, HAS_BIAS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  BLOCK_K=64, GROUP_M=cfg.group_m, WIDEN_OPERANDS=False, WARP_SPECIALIZE=ws)
+        r = compile_sm90(M._gemm_kernel, lambda n: types.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
+        out.append(dict(r, rows=cfg.block_m, weight_rows=cfg.block_n, ws=ws))
 print(json.dumps(out))
 """
 
@@ -372,8 +374,9 @@ def test_gemm_table_compiles_to_wgmma():
     """Compiled for sm_90 (bf16), every config of the GEMM table runs its dots as wgmma without
     spills: a swapped config at its narrowest (16 rows of x) and widest x tile (the instruction of
     the unswapped buckets, whose elements are the same sums: the premise of swapping; the GPU row
-    tests check the bits), never mma.sync; a warp-specialised one really split into a producer and
-    consumers (forward and backward operand layouts), the others not."""
+    tests check the bits), never mma.sync; every config also unswapped, in the forward's and the
+    backward's operand layouts; a warp-specialised one really split into a producer and consumers,
+    the others not."""
     from sm90 import probe
 
     results = probe(_GEMM_PROBE)

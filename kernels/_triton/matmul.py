@@ -165,7 +165,10 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None)
         a_rows.stride(0), b_rows.stride(0), c.stride(0), programs,
         A_TRANSPOSED=a_transposed, B_TRANSPOSED=b_transposed, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k(a.dtype), GROUP_M=cfg.group_m,
-        WIDEN_OPERANDS=INTERPRETING and a.dtype == torch.bfloat16, WARP_SPECIALIZE=cfg.warp_specialize,
+        WIDEN_OPERANDS=INTERPRETING and a.dtype == torch.bfloat16,
+        # a swapped config's warp specialisation splits its weight rows: unswapped (the backward's
+        # operand layouts), its block_m x rows may be too few to split
+        WARP_SPECIALIZE=cfg.warp_specialize and not cfg.swap_ab,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return c.contiguous()  # a copy only when N needed a padded row stride

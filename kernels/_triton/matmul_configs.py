@@ -44,6 +44,15 @@ class GemmConfig:
         if self.warp_specialize and (self.num_warps != 4 or (self.block_n if self.swap_ab else self.block_m) % 128):
             raise ValueError(f"{self}: warp_specialize needs num_warps=4 and a multiple of 128 MMA rows "
                              "(block_m, or block_n with swap_ab)")
+        if self.warp_specialize and self.num_stages > MAX_WARP_SPECIALIZED_STAGES:
+            raise ValueError(f"{self}: warp_specialize with more than {MAX_WARP_SPECIALIZED_STAGES} stages gave "
+                             "other bits than the plain kernel on an H200 (Triton 3.6; benchmarks/RESULTS.md)")
+
+
+# Every warp-specialised config with 5 or more stages that benchmarks/sweep_gemm.py ran (5, 6, 8 and
+# 12; plain and swapped) gave other bits than the table's kernel on an H200 with Triton 3.6, every one
+# with 3 or 4 stages the same bits: a limit of Triton's Hopper pass, not of the arithmetic.
+MAX_WARP_SPECIALIZED_STAGES = 4
 
 
 BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
@@ -63,11 +72,15 @@ CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     # bucket below (H200, sweep_gemm.py --column, bits checked against the unswapped kernel at M = 100
     # and 128). gate/up's width keeps its 128x256 tiles (WIDE_CONFIGS_16BIT: 0.864x vs 0.816x).
     (128, GemmConfig(block_m=128, block_n=64, group_m=1, num_warps=4, num_stages=6, swap_ab=True)),
-    # Medium batches: one warpgroup per 64x128 tile keeps the tile count near one wave at
-    # M=256 (N=4096 -> 128 tiles) while each weight tile is reused across the M tiles from L2.
-    (256, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=5)),
-    # Swept on an H200: 64x256 (0.91x cuBLAS at M=1024) beats 128x128 (0.87x).
-    (1024, GemmConfig(block_m=64, block_n=256, group_m=8, num_warps=4, num_stages=4)),
+    # 129-256 rows at N < 16,384 (qkv): swapped, all 256 rows of x as one wgmma's N side (n256):
+    # 0.767x cuBLAS on qkv at M = 256 against 0.530x for unswapped 64x128 tiles and 0.668x for
+    # warp-specialised 128x128 ones (H200, sweep_gemm.py --column and --large, bits checked at M = 200
+    # and 256). gate/up's width takes WIDE_CONFIGS_16BIT.
+    (256, GemmConfig(block_m=256, block_n=64, group_m=1, num_warps=4, num_stages=4, swap_ab=True)),
+    # 257-1024 rows: warp-specialised 128x128 tiles, persistent (a producer warpgroup, two consumers
+    # of 64 rows): 0.988x / 0.913x cuBLAS on qkv / gate_up at M = 1024 and 0.715x / 0.870x at 512,
+    # against 0.908x / 0.920x and 0.697x / 0.832x for unswapped 64x256 tiles (H200, sweep_gemm.py --large).
+    (1024, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=4, warp_specialize=True)),
     # Large M: the classic Hopper 128x256x64 tile, two warpgroups, 3 stages
     # (144 KiB operands + 64 KiB epilogue staging), grouped by 8 for L2 reuse.
     (None, GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=3)),
@@ -83,6 +96,9 @@ WIDE_CONFIGS_16BIT: list[tuple[int, int, int, GemmConfig]] = [
     # each weight tile streams once; 0.864x cuBLAS against 0.795x for the bucket's 64x128 tiles (H200,
     # M = 128, benchmarks/sweep_gemm.py --m 128). At qkv's N = 6144 it would leave most SMs idle.
     (65, 128, 16384, GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=3)),
+    # 129-256 rows against gate/up: warp-specialised 128x128 tiles, 0.814x cuBLAS at M = 256 against
+    # 0.705x swapped (the bucket's config) and 0.636x for unswapped 64x128 tiles (H200, sweep_gemm.py).
+    (129, 256, 16384, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=4, warp_specialize=True)),
 ]
 
 # fp32 runs `tl.dot(..., input_precision="ieee")` on FMA units (no tensor cores): exact fp32
