@@ -1,6 +1,6 @@
-"""Row-block and MMA-tile sweep for the fused linear-logp forward (bf16, H=4096, V=151936), against
+"""Row-block and pipeline sweep for the fused linear-logp forward (bf16, H=4096, V=151936), against
 the bare LM-head GEMM measured alongside. BLOCK_T and its warps decide only which program computes a
-row, and mma_v and the stages only how many vocab tiles one MMA multiplies, never a row's arithmetic
+row, and the stages only how deep the loads run ahead, never a row's arithmetic
 (kernels/_triton/logp.py): every candidate's output is checked bitwise against the table's before
 it is timed. Kernel time on both sides (CUDA-graph replays, bench_logp.fwd_ms).
 
@@ -8,20 +8,18 @@ it is timed. Kernel time on both sides (CUDA-graph replays, bench_logp.fwd_ms).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from bench_logp import fwd_ms
 import lockstep.kernels as K
 from lockstep.kernels._triton import logp as triton_logp
 
-from dataclasses import replace
-
 TABLE = triton_logp.TILE_CONFIGS[torch.bfloat16]
 # (row blocks -> warps, tile config); the first: the table (its choice per T is _block_t's)
-CANDIDATES = [({128: 8, 64: 4}, TABLE), ({128: 8}, TABLE),
-              ({128: 8, 64: 4}, replace(TABLE, mma_v=256, num_stages=3)),
-              ({128: 8, 64: 4}, replace(TABLE, mma_v=256, num_stages=4)),
-              ({128: 8}, replace(TABLE, mma_v=256, num_stages=4)), ({64: 4}, replace(TABLE, mma_v=256, num_stages=4))]
+CANDIDATES = [({128: 8, 64: 4}, TABLE), ({128: 8}, TABLE), ({64: 4}, TABLE),
+              ({128: 8, 64: 4}, replace(TABLE, num_stages=3)), ({128: 8, 64: 4}, replace(TABLE, num_stages=5))]
 H, V = 4096, 151936
 
 

@@ -36,13 +36,8 @@ SPLIT_CONFIGS = [G(64, 128, 8, 4, 4), G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4)
                  # 128 or 256 rows of x on the N side: M = 128 and 256 (still unswapped, 0.68-0.86x)
                  G(128, 64, 1, 4, 4, swap_ab=True), G(256, 64, 1, 4, 3, swap_ab=True)]
 SPLITS = [None, 2, 4, 8]  # None: split_for's choice; splits above the chunk count are skipped
-WHOLE_TREE_CONFIGS = [G(64, 128, 8, 4, 4), G(128, 64, 8, 4, 4),
-                      # persistent and warp-specialised (a producer warpgroup streams the chunks
-                      # across the joins; two consumer warpgroups of 64 rows each)
-                      # (at most 4 stages: GemmConfig refuses more)
-                      G(128, 64, 8, 4, 4, warp_specialize=True), G(128, 64, 8, 4, 3, warp_specialize=True),
-                      G(128, 128, 8, 4, 3, warp_specialize=True), G(128, 128, 8, 4, 4, warp_specialize=True),
-                      G(256, 64, 8, 4, 4, warp_specialize=True), G(128, 64, 4, 4, 4, warp_specialize=True)]
+WHOLE_TREE_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 8, 4), G(64, 128, 8, 4, 4),
+                      G(128, 64, 8, 4, 4)]
 
 
 def candidates(m: int, chunks: int, whole_only: bool = False):
@@ -78,7 +73,7 @@ def main() -> None:
             best = (default, "default")
             for cfg, split in candidates(m, args.chunks, args.whole_only):
                 key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm,
-                       "swap" if cfg.swap_ab else "ws" if cfg.warp_specialize else "-", split or "auto")
+                       "swap" if cfg.swap_ab else "-", split or "auto")
                 fn = lambda: row_tree(x, w, chunk, x.dtype, split=split, config=cfg)  # noqa: E731
                 try:
                     got = fn()
@@ -97,7 +92,7 @@ def main() -> None:
             lines.append(f"| {name} | {m} | {cublas:.1f} | {cublas / linear:.3f} | {default:.1f} | {cublas / default:.3f} "
                          f"| {best[1]} | {best[0]:.1f} | {cublas / best[0]:.3f} |")
             print(lines[-1], flush=True)
-    lines += ["", "Geometric-mean ratio to cuBLAS per candidate (tile, warps, stages, programs/SM, swap or ws, split):", ""]
+    lines += ["", "Geometric-mean ratio to cuBLAS per candidate (tile, warps, stages, programs/SM, swap, split):", ""]
     for bucket in ([1, 8, 64], [128], [256], [512], [1024], [4096]):
         ranked = sorted(((statistics.geometric_mean([r for m, r in v if m in bucket]), key)
                          for key, v in scores.items() if any(m in bucket for m, _ in v)), reverse=True)

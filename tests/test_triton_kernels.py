@@ -260,15 +260,13 @@ def test_row_tree_over_many_tiles_and_chunk_counts():
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # masked lanes, interpreter
 def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
     """A warp-specialised config (a producer and two consumer warpgroups on Hopper, 128 MMA rows a
-    tile) gives the same bits as the table's kernels: `linear` persistent over several tiles and a
-    partial one, `linear` swapped (128 weight rows a tile), and the row-parallel tree. The tree
-    refuses a split (whole trees only) and swapped operands; the config refuses what Triton's
-    Hopper pass cannot split (64 MMA rows, 8 warps). That the pass really splits each table config
-    is the sm_90 probes' job (test_gemm_table_compiles_to_wgmma, test_row_tree_compiles_to_wgmma);
-    the GPU row tests check the bits there."""
+    tile) gives `linear` the same bits as the table's kernels: persistent over several tiles and a
+    partial one, and swapped (128 weight rows a tile). The row-parallel tree refuses it; the config
+    refuses what Triton's Hopper pass cannot split (64 MMA rows, 8 warps) and more than 4 stages.
+    That the pass really splits each table config is test_gemm_table_compiles_to_wgmma's job; the
+    GPU row tests check the bits there."""
     from dataclasses import replace
 
-    from lockstep.kernels.collectives import tree_sum_ranks
     from lockstep.kernels._triton import matmul_configs as mc
     from lockstep.kernels._triton.splitk import row_tree
 
@@ -280,16 +278,10 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
         monkeypatch.setattr(mc, "CONFIGS_FP32", [(None, cfg)])
         for m in ms:
             assert torch.equal(K.linear(x[:m], w, bias), plain[m]), (cfg, m)
-    for chunks in (8, 2):
-        chunk = 96 // chunks
-        tree = tree_sum_ranks(_chunk_products(x, w, chunk))
-        assert torch.equal(row_tree(x, w, chunk, torch.float32, config=ws), tree), f"{chunks} chunks"
-    with pytest.raises(ValueError, match="whole trees"):
-        row_tree(x, w, 12, torch.float32, split=2, config=ws)
-    with pytest.raises(ValueError, match="unswapped"):
-        row_tree(x, w, 12, torch.float32, config=swapped)
-    for bad in (dict(block_m=64), dict(num_warps=8), dict(block_m=32, block_n=64, swap_ab=True)):
-        with pytest.raises(ValueError, match="warp_specialize needs"):
+    with pytest.raises(ValueError, match="no warp-specialised form"):
+        row_tree(x, w, 12, torch.float32, config=ws)
+    for bad in (dict(block_m=64), dict(num_warps=8), dict(block_m=32, block_n=64, swap_ab=True), dict(num_stages=5)):
+        with pytest.raises(ValueError, match="warp_specialize"):
             replace(ws, **bad)
 
 
@@ -310,18 +302,13 @@ out = []
 for _, cfg in ROW_CONFIGS_16BIT:
     descs = {"x_desc": f"tensordesc<bf16[{cfg.block_m}, 64]>", "w_desc": f"tensordesc<bf16[{cfg.block_n}, 64]>",
              "out_ptr": "*bf16", "ws_ptr": "*fp32", "ticket_ptr": "*i32"}
-    if cfg.warp_specialize:  # whole trees only (split 1), persistent
-        ce = dict(CHUNKS=8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=64, GROUP_M=cfg.group_m, WIDEN_OPERANDS=False)
-        r = compile_sm90(S._row_tree_ws_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
-        out.append(dict(r, tile=[cfg.block_m, cfg.block_n], split=1, ws=True))
-        continue
     for split in (1, 2, 4, 8):
         for rows in sorted({cfg.block_m, 16 if cfg.swap_ab else cfg.block_m}):  # a swapped tile's x rows: 16..block_m
             ce = dict(CHUNKS=8, SPLIT=split, BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_K=64, GROUP_M=cfg.group_m,
-                      WIDEN_OPERANDS=False, LOOPS="per_chunk" if split > 1 else "flat", SWAP=cfg.swap_ab)  # as row_tree launches it
+                      WIDEN_OPERANDS=False, PER_CHUNK_LOOPS=split > 1, SWAP=cfg.swap_ab)  # as row_tree launches it
             descs["x_desc"] = f"tensordesc<bf16[{rows}, 64]>"
             r = compile_sm90(S._row_tree_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
-            out.append(dict(r, tile=[rows, cfg.block_n], split=split, ws=False))
+            out.append(dict(r, tile=[rows, cfg.block_n], split=split))
 print(json.dumps(out))
 """
 
@@ -337,9 +324,7 @@ def test_row_tree_compiles_to_wgmma():
 
     results = probe(_ROW_TREE_PROBE)
     for r in results:
-        assert {version for version, _ in r["mma"]} == {"3"}, r
-        # a warp-specialised config really is split into producer and consumers, without spills
-        assert r["warp_specialized"] == r["ws"] and (r["spill_bytes"] == 0 or not r["ws"]), r
+        assert {version for version, _ in r["mma"]} == {"3"} and not r["warp_specialized"], r
     assert all(r["spill_bytes"] == 0 for r in results if r["split"] == 2), results
 
 

@@ -186,26 +186,6 @@ def test_row_block_size_changes_no_bit(monkeypatch):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_two_tiles_per_mma_change_no_bit(dtype, monkeypatch):
-    """mma_v = 2 * block_v (two vocab tiles multiplied as one, folded one after the other) gives the
-    table's chunk states, with chunks that end inside an MMA tile's first or second half (widths
-    200 and 300 over 300 columns; bf16 tiles of 128, fp32 of 32)."""
-    from dataclasses import replace
-
-    triton_logp = _triton_logp_module()
-    hidden, weight, targets = _inputs(70, 24, 300, dtype, real=290)
-    table = triton_logp.TILE_CONFIGS[dtype]
-    for width in (200, 300):
-        kw = dict(vocab_start=0, width=width, real_vocab_size=290, bias=None, temperature=0.7, with_entropy=True)
-        monkeypatch.setitem(triton_logp.TILE_CONFIGS, dtype, table)
-        one = triton_logp.chunk_states(hidden, weight, targets, **kw)
-        monkeypatch.setitem(triton_logp.TILE_CONFIGS, dtype, replace(table, mma_v=2 * table.block_v))
-        two = triton_logp.chunk_states(hidden, weight, targets, **kw)
-        for a, b in zip(one, two):
-            assert torch.equal(a, b), width
-
-
 def test_row_blocks_are_the_largest_that_fill_the_waves(monkeypatch):
     """On 132 SMs with Qwen3's 64 vocab chunks: T=256 takes 128-row blocks (128 programs, one wave
     97% full; with 64-row blocks the forward took 3.7x the bare GEMM there, timed eagerly), T=128
@@ -444,11 +424,9 @@ cfg = L.TILE_CONFIGS[__import__("torch").bfloat16]
 out = {}
 for mode, load in {"multiply": False, "load_z": True}.items():
     ce = dict(HAS_BIAS=False, HAS_TEMP=True, WITH_ENTROPY=False, UPCAST=False, BLOCK_T=128, BLOCK_V=cfg.block_v,
-              BLOCK_K=cfg.block_k, LOG2_V=cfg.block_v.bit_length() - 1, GROUP_T=L.GROUP_T, LOAD_Z=load, MMA_V=cfg.mma_v)
-    descs["w_desc"] = f"tensordesc<bf16[{cfg.mma_v}, 64]>"
+              BLOCK_K=cfg.block_k, LOG2_V=cfg.block_v.bit_length() - 1, GROUP_T=L.GROUP_T, LOAD_Z=load)
     out[mode] = compile_sm90(L._chunk_states_kernel, lambda n: descs.get(n, "i32"), ce, L.BLOCK_T_WARPS[128],
                              cfg.num_stages)
-descs["w_desc"] = f"tensordesc<bf16[{cfg.block_v}, 64]>"
 ce = dict(UPCAST=False, BLOCK_T=128, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_T=L.GROUP_T)
 out["store_z"] = compile_sm90(L._head_logits_kernel, lambda n: descs.get(n, "i32"), ce, L.BLOCK_T_WARPS[128],
                               cfg.num_stages)

@@ -56,18 +56,14 @@ class TileConfig:
     block_v: int  # vocab columns per tile (a power of two): the merge step of every chunk
     block_k: int  # hidden features per dot step: the K steps of every logit
     num_stages: int  # software-pipeline depth of the (tile, k) loop
-    # vocab columns per MMA tile of the forward (block_v or 2 * block_v): two tiles multiplied as
-    # one, then folded one after the other as two would be. Speed only: the same logits, the same
-    # folds in the same order.
-    mma_v: int
 
 
 TILE_CONFIGS = {
     # 4 stages * (128 + 128) * 64 * 2 B = 128 KiB of operand buffers: one program per SM.
-    torch.bfloat16: TileConfig(block_v=128, block_k=64, num_stages=4, mma_v=128),
-    torch.float16: TileConfig(block_v=128, block_k=64, num_stages=4, mma_v=128),
+    torch.bfloat16: TileConfig(block_v=128, block_k=64, num_stages=4),
+    torch.float16: TileConfig(block_v=128, block_k=64, num_stages=4),
     # fp32: tl.dot(input_precision="ieee") on FMA units, operands in registers: small tiles.
-    torch.float32: TileConfig(block_v=32, block_k=32, num_stages=2, mma_v=32),
+    torch.float32: TileConfig(block_v=32, block_k=32, num_stages=2),
 }
 # Rows per program -> warps, largest first; a call takes the largest whose programs fill at least
 # MIN_WAVE_FILL of the waves they take (one program per SM a wave). 64-row programs multiply at about
@@ -177,15 +173,6 @@ def _merge_tile(m, s, w, z, valid, WITH_ENTROPY: tl.constexpr, LOG2_V: tl.conste
 
 
 @triton.jit
-def _fold_tile(m, s, w, tz, z, cols, valid, target, WITH_ENTROPY: tl.constexpr, LOG2_V: tl.constexpr):
-    """One BLOCK_V tile into each row's states; tz picks up the target's logit (plus exact zeros:
-    the same value in any summation order)."""
-    tz += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
-    m, s, w = _merge_tile(m, s, w, z, valid, WITH_ENTROPY, LOG2_V)
-    return m, s, w, tz
-
-
-@triton.jit
 def _row_inputs(temp_ptr, tgt_ptr, row_block, T, vocab_start, HAS_TEMP: tl.constexpr, BLOCK_T: tl.constexpr):
     """The block's rows, which of them exist, 1 / their temperatures, and their targets as local
     columns (int32: a local column always fits, and the per-logit compare stays one instruction)."""
@@ -209,11 +196,9 @@ def _chunk_states_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr,
                          HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
                          UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
                          BLOCK_K: tl.constexpr, LOG2_V: tl.constexpr, GROUP_T: tl.constexpr,
-                         LOAD_Z: tl.constexpr, MMA_V: tl.constexpr):
+                         LOAD_Z: tl.constexpr):
     """One program per (row block, vocab chunk): the chunk's tiles in increasing column order.
-    LOAD_Z: fold the products _head_logits_kernel wrote instead of multiplying again. MMA_V: the
-    columns of one MMA tile, BLOCK_V or two BLOCK_V tiles at once (speed only: the same logits,
-    folded tile by tile in the same order)."""
+    LOAD_Z: fold the products _head_logits_kernel wrote instead of multiplying again."""
     row_block, chunk = _program_tile(tl.cdiv(T, BLOCK_T), n_chunks, GROUP_T)
     rows, row_ok, inv_temp, target = _row_inputs(temp_ptr, tgt_ptr, row_block, T, vocab_start, HAS_TEMP, BLOCK_T)
     lo = chunk * width
@@ -224,24 +209,13 @@ def _chunk_states_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr,
     tz = tl.zeros([BLOCK_T], tl.float32)
     # Tiles merge in increasing column order: the order is part of every row's numerics. (flatten:
     # one software-pipelined loop over (tile, k), so the next tile's loads fly while this one merges.)
-    for c0 in tl.range(lo, hi, MMA_V, flatten=True):
+    for c0 in tl.range(lo, hi, BLOCK_V, flatten=True):
         z, cols, valid = _logits(h_desc, w_desc, b_ptr, z_ptr, stride_z, inv_temp, row_block * BLOCK_T, rows, row_ok,
                                  c0, hi, V_local, H, vocab_start, real_vocab_size, HAS_BIAS, HAS_TEMP, LOAD_Z,
-                                 BLOCK_T, MMA_V, BLOCK_K, UPCAST)
-        if MMA_V == BLOCK_V:
-            m, s, w, tz = _fold_tile(m, s, w, tz, z, cols, valid, target, WITH_ENTROPY, LOG2_V)
-        else:  # two BLOCK_V tiles from one MMA tile, folded in column order, as two tiles would be
-            tl.static_assert(MMA_V == 2 * BLOCK_V)
-            z0, z1 = tl.split(tl.permute(tl.reshape(z, [BLOCK_T, 2, BLOCK_V]), (0, 2, 1)))
-            cols0, cols1 = tl.split(tl.permute(tl.reshape(cols, [2, BLOCK_V]), (1, 0)))
-            valid0, valid1 = tl.split(tl.permute(tl.reshape(valid, [2, BLOCK_V]), (1, 0)))
-            m, s, w, tz = _fold_tile(m, s, w, tz, z0, cols0, valid0, target, WITH_ENTROPY, LOG2_V)
-            m1, s1, w1, tz1 = _fold_tile(m, s, w, tz, z1, cols1, valid1, target, WITH_ENTROPY, LOG2_V)
-            # the second tile counts only where it exists: one past the chunk end is never folded
-            # (selects, not a branch: Triton 3.6 miscompiles an scf.if in this flattened loop)
-            second = c0 + BLOCK_V < hi
-            m, s, w, tz = (tl.where(second, m1, m), tl.where(second, s1, s), tl.where(second, w1, w),
-                           tl.where(second, tz1, tz))
+                                 BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
+        # the target's logit plus exact zeros: the same value in any summation order
+        tz += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
+        m, s, w = _merge_tile(m, s, w, z, valid, WITH_ENTROPY, LOG2_V)
     at = rows * n_chunks + chunk
     tl.store(m_ptr + at, m, mask=row_ok)
     tl.store(s_ptr + at, s, mask=row_ok)
@@ -359,11 +333,10 @@ def _block_t(n_rows: int, n_col_tiles: int, device: torch.device) -> int:
 
 def _launch(kernel, hidden, weight, args: dict, n_col_tiles: int, **outputs) -> None:
     """Run `kernel` over (row blocks x n_col_tiles) programs, BLOCK_T picked for this launch. The
-    operands go in as host-built TMA descriptors (the weight's in MMA_V-row blocks where the kernel
-    takes MMA_V, else BLOCK_V): no program spends time building its own."""
+    operands go in as host-built TMA descriptors: no program spends time building its own."""
     block_t = _block_t(hidden.shape[0], n_col_tiles, hidden.device)
     h_desc = TensorDescriptor.from_tensor(hidden, [block_t, args["BLOCK_K"]])
-    w_desc = TensorDescriptor.from_tensor(weight, [args.get("MMA_V", args["BLOCK_V"]), args["BLOCK_K"]])
+    w_desc = TensorDescriptor.from_tensor(weight, [args["BLOCK_V"], args["BLOCK_K"]])
     kernel[(triton.cdiv(hidden.shape[0], block_t) * n_col_tiles,)](
         h_desc, w_desc, **args, **outputs, BLOCK_T=block_t, num_warps=BLOCK_T_WARPS[block_t])
 
@@ -378,8 +351,7 @@ def _forward(hidden, weight, targets, bias, temperature, vocab_start, width, rea
         args = _launch_args(hidden, weight, targets, bias, temperature, width=width, vocab_start=vocab_start,
                             real_vocab_size=real_vocab_size, with_entropy=with_entropy)
         z = logits.contiguous() if logits is not None else target_z
-        _launch(_chunk_states_kernel, _tma_rows(hidden), _tma_rows(weight),
-                dict(args, MMA_V=TILE_CONFIGS[hidden.dtype].mma_v), n,
+        _launch(_chunk_states_kernel, _tma_rows(hidden), _tma_rows(weight), args, n,
                 m_ptr=m, s_ptr=s, ent_ptr=w, tz_ptr=target_z, z_ptr=z, stride_z=z.stride(0),
                 LOAD_Z=logits is not None)
     return m, s, w, target_z

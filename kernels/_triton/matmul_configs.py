@@ -37,7 +37,7 @@ class GemmConfig:
     # tile's MMA rows, issuing the MMAs; the loads keep flowing across tile ends and joins.
     # The same dots in the same order: it moves only which warps do what. Needs num_warps 4 (the
     # consumers' warps) and 128 MMA rows a tile to split (block_m, or with swap_ab the block_n
-    # weight rows); the row-parallel tree takes it unswapped only.
+    # weight rows); `linear` and `matmul` only (the row-parallel tree refuses it).
     warp_specialize: bool = False
 
     def __post_init__(self):

@@ -27,7 +27,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
-from lockstep.kernels._triton.matmul import _tile_coords
 from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, row_config_for, tile_rows
 
 
@@ -35,22 +34,26 @@ from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, row_con
 def _join(acc, j, h1, h2, h4, COUNT: tl.constexpr):
     """Chunk j's finished product joins the tree like a binary counter: added to its left sibling
     when j is odd, the pair to its left pair when j % 4 == 3, the quad to its left quad when
-    j % 8 == 7. Returns the holders and the newest subtree (after the last chunk: the root).
-    Selects, not branches: a sum not taken is computed and dropped (a few adds per chunk), which
-    keeps the loop free of control flow, as Triton's Hopper warp specialisation needs."""
+    j % 8 == 7. Returns the holders and the newest subtree (after the last chunk: the root)."""
     v = acc
     if COUNT > 1:  # (compile-time guards: a smaller subtree carries fewer holders)
-        v = tl.where(j % 2 == 1, h1 + v, v)
+        if j % 2 == 1:
+            v = h1 + v
     if COUNT > 2:
-        v = tl.where(j % 4 == 3, h2 + v, v)
+        if j % 4 == 3:
+            v = h2 + v
     if COUNT > 4:
-        v = tl.where(j % 8 == 7, h4 + v, v)
+        if j % 8 == 7:
+            v = h4 + v
     if COUNT > 1:
-        h1 = tl.where(j % 2 == 0, v, h1)
+        if j % 2 == 0:
+            h1 = v
     if COUNT > 2:
-        h2 = tl.where(j % 4 == 1, v, h2)
+        if j % 4 == 1:
+            h2 = v
     if COUNT > 4:
-        h4 = tl.where(j % 8 == 3, v, h4)
+        if j % 8 == 3:
+            h4 = v
     return h1, h2, h4, v
 
 
@@ -73,20 +76,17 @@ def _step(x_desc, w_desc, off_m, off_n, kk, acc, WIDEN_OPERANDS: tl.constexpr, S
 
 @triton.jit
 def _subtree(x_desc, w_desc, off_m, off_n, K_CHUNK, K_PAD, first, COUNT: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN_OPERANDS: tl.constexpr, LOOPS: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN_OPERANDS: tl.constexpr, PER_CHUNK_LOOPS: tl.constexpr,
              SWAP: tl.constexpr):
     """[BLOCK_M, BLOCK_N] fp32 ([BLOCK_N, BLOCK_M] with SWAP): the balanced tree over the products
     of the chunks first .. first + COUNT - 1 (COUNT 1, 2, 4 or 8; first a multiple of COUNT). Chunk c's columns start at
     c * K_PAD (K_PAD >= K_CHUNK, whole BLOCK_K steps; the padding holds zeros).
 
     Each chunk's product accumulates from zero over its BLOCK_K steps in ascending k, then joins
-    the tree (_join). Three loop structures (LOOPS), the same operations in the same order:
-    - "chunks": a loop over the chunks, each chunk's K loop inside: the body of the persistent
-      warp-specialised tile loop (GemmConfig.warp_specialize), where a producer warpgroup keeps
-      the TMA loads flowing across the joins and the tiles;
-    - "per_chunk" (a subtree of at most 4 chunks): one pipelined K loop per chunk, unrolled, so
+    the tree (_join). Two loop structures, the same operations in the same order:
+    - PER_CHUNK_LOOPS (a subtree of at most 4 chunks): one pipelined K loop per chunk, unrolled, so
       the MMAs stay asynchronous inside each (the tree joins between loops);
-    - "flat": one pipelined loop over every chunk's steps, the join at each chunk's last step:
+    - otherwise one pipelined loop over every chunk's steps, the join at each chunk's last step:
       no pipeline restarts, but the join reads the accumulator inside the loop, so each MMA is
       waited for (wgmma.wait_group 0). Eight unrolled loops (a whole tree) ran slower: the sweep
       (benchmarks/sweep_rowtree.py) found each structure faster where it is used."""
@@ -97,20 +97,13 @@ def _subtree(x_desc, w_desc, off_m, off_n, K_CHUNK, K_PAD, first, COUNT: tl.cons
     h2 = tl.zeros((ROWS, COLS), dtype=tl.float32)  # a finished pair
     h4 = tl.zeros((ROWS, COLS), dtype=tl.float32)  # a finished quad
     root = tl.zeros((ROWS, COLS), dtype=tl.float32)
-    if LOOPS == "chunks":
-        for j in range(0, COUNT):
-            acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
-            for ki in range(0, steps):
-                acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + ki * BLOCK_K, acc, WIDEN_OPERANDS, SWAP)
-            h1, h2, h4, root = _join(acc, j, h1, h2, h4, COUNT)
-    elif LOOPS == "per_chunk":
+    if PER_CHUNK_LOOPS:
         for j in tl.static_range(0, COUNT):
             acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
             for ki in range(0, steps):
                 acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + ki * BLOCK_K, acc, WIDEN_OPERANDS, SWAP)
             h1, h2, h4, root = _join(acc, j, h1, h2, h4, COUNT)
     else:
-        tl.static_assert(LOOPS == "flat")
         acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
         for i in range(0, COUNT * steps):
             j = i // steps
@@ -144,35 +137,31 @@ def _root(ws, step, mask, S: tl.constexpr):
     return root
 
 
-@triton.jit
-def _out_index(pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
-    """(row, column) of out for each element of a tile's root, broadcast to the root's shape
-    ([BLOCK_N, BLOCK_M] with SWAP: element (n, m) is out[m, n])."""
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    if SWAP:
-        row_m, col_n = offs_m[None, :], offs_n[:, None]
-    else:
-        row_m, col_n = offs_m[:, None], offs_n[None, :]
-    return row_m, col_n
-
-
 @triton.jit(do_not_specialize=["M"])
 def _row_tree_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK, K_PAD, stride_o,
                      CHUNKS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, WIDEN_OPERANDS: tl.constexpr,
-                     LOOPS: tl.constexpr, SWAP: tl.constexpr):
-    """BLOCK_M rows of x by BLOCK_N rows of the weight per tile, one program per (tile, subtree)
-    (LOOPS: "per_chunk" or "flat", see _subtree);
-    SWAP: the tile is computed transposed (the weight rows as the MMA's M side: decode-sized x is
-    not padded to 64 rows)."""
+                     PER_CHUNK_LOOPS: tl.constexpr, SWAP: tl.constexpr):
+    """BLOCK_M rows of x by BLOCK_N rows of the weight per tile; SWAP: the tile is computed
+    transposed (the weight rows as the MMA's M side: decode-sized x is not padded to 64 rows)."""
     tile = tl.program_id(0)
     s = tl.program_id(1)  # which subtree of this tile
-    pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_group = GROUP_M * num_pid_n
+    first_m = (tile // tiles_per_group) * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % tiles_per_group) % group_rows
+    pid_n = (tile % tiles_per_group) // group_rows
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     PER: tl.constexpr = CHUNKS // SPLIT
     root = _subtree(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K_CHUNK, K_PAD, s * PER, PER,
-                    BLOCK_M, BLOCK_N, BLOCK_K, WIDEN_OPERANDS, LOOPS, SWAP)
-    row_m, col_n = _out_index(pid_m, pid_n, BLOCK_M, BLOCK_N, SWAP)
+                    BLOCK_M, BLOCK_N, BLOCK_K, WIDEN_OPERANDS, PER_CHUNK_LOOPS, SWAP)
+    if SWAP:  # root [BLOCK_N, BLOCK_M]: element (n, m) is out[m, n]
+        row_m, col_n = offs_m[None, :], offs_n[:, None]
+    else:
+        row_m, col_n = offs_m[:, None], offs_n[None, :]
     inside = (row_m < M) & (col_n < N)
     out = out_ptr + row_m * stride_o + col_n
     if SPLIT == 1:
@@ -187,23 +176,6 @@ def _row_tree_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK,
         if ticket == SPLIT - 1:
             total = _root(ws, plane, inside, SPLIT)
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=inside)
-
-
-@triton.jit(do_not_specialize=["M", "num_programs"])
-def _row_tree_ws_kernel(x_desc, w_desc, out_ptr, M, N, K_CHUNK, K_PAD, stride_o, num_programs,
-                        CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, WIDEN_OPERANDS: tl.constexpr):
-    """The whole tree per tile (split 1), persistent and warp-specialised (GemmConfig.warp_specialize):
-    a producer warpgroup streams every tile's chunks through TMA while two consumer warpgroups (64 of
-    the tile's rows each) run the MMAs, the joins and the stores. The same sums as _row_tree_kernel."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_programs, warp_specialize=True):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        root = _subtree(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K_CHUNK, K_PAD, 0, CHUNKS,
-                        BLOCK_M, BLOCK_N, BLOCK_K, WIDEN_OPERANDS, "chunks", False)
-        row_m, col_n = _out_index(pid_m, pid_n, BLOCK_M, BLOCK_N, False)
-        tl.store(out_ptr + row_m * stride_o + col_n, root.to(out_ptr.dtype.element_ty), mask=(row_m < M) & (col_n < N))
 
 
 def _chunk_descriptor(t: torch.Tensor, chunks: int, chunk: int, padded: int, block_rows: int,
@@ -244,24 +216,16 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
     if m == 0 or n == 0:
         return out.zero_()
     cfg = config or row_config_for(m, x.dtype)
+    if cfg.warp_specialize:
+        # a persistent warp-specialised tree (Triton's Hopper pass, its joins as selects) compiled,
+        # but its first launch on an H200 did not finish within 170 s (benchmarks/RESULTS.md)
+        raise ValueError(f"row_tree: {cfg}: the row-parallel tree has no warp-specialised form")
     bk = block_k(x.dtype)
     block_m = tile_rows(m, cfg)
     padded = triton.cdiv(chunk, bk) * bk  # whole BLOCK_K steps per chunk (bk * element size: 16-byte aligned)
     x_desc = _chunk_descriptor(x, chunks, chunk, padded, block_m, bk)
     w_desc = _chunk_descriptor(weight, chunks, chunk, padded, cfg.block_n, bk)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, cfg.block_n)
-    wide = INTERPRETING and x.dtype == torch.bfloat16
-    if cfg.warp_specialize:
-        if cfg.swap_ab:
-            raise ValueError(f"row_tree: {cfg}: a warp-specialised tree is unswapped")
-        if split not in (None, 1):
-            raise ValueError(f"row_tree: a warp-specialised config computes whole trees (split 1), got split {split}")
-        programs = min(tiles, resident_programs(x.device))
-        _row_tree_ws_kernel[(programs,)](
-            x_desc, w_desc, out, m, n, chunk, padded, out.stride(0), programs, CHUNKS=chunks, BLOCK_M=block_m,
-            BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, WIDEN_OPERANDS=wide, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
-        return out
     split = split or split_for(tiles, chunks, x.device, cfg.programs_per_sm)
     if split not in (1, 2, 4, 8) or split > chunks:
         raise ValueError(f"row_tree: split {split} must be 1, 2, 4 or 8 and at most the {chunks} chunks")
@@ -273,7 +237,7 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
     _row_tree_kernel[(tiles, split)](
         x_desc, w_desc, out, ws, tickets, m, n, chunk, padded, out.stride(0),
         CHUNKS=chunks, SPLIT=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
-        GROUP_M=cfg.group_m, WIDEN_OPERANDS=wide, LOOPS="per_chunk" if split > 1 else "flat",
+        GROUP_M=cfg.group_m, WIDEN_OPERANDS=INTERPRETING and x.dtype == torch.bfloat16, PER_CHUNK_LOOPS=split > 1,
         SWAP=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
