@@ -109,7 +109,7 @@ def _gemm_swap_kernel(x_ptr, w_ptr, c_ptr, bias_ptr, M, N, K, stride_x, stride_w
                       WIDEN_OPERANDS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """C[M, N] = X[M, K] @ W[N, K]^T (+ bias) for a few rows, computed as C^T = W @ X^T: the weight
     rows are the MMA's M side (BLOCK_W, a multiple of the 64 rows a wgmma takes) and the rows of X
-    its N side (BLOCK_X, 16-128 wide), so a decode-sized X is not padded to 64 rows in every stage.
+    its N side (BLOCK_X, 16-256 wide), so a decode-sized X is not padded to 64 rows in every stage.
     Each element is the same sum as in _gemm_kernel: the same BLOCK_K steps in ascending k, each one
     wgmma, whose elements do not depend on which operand is which (checked on the GPU by the row
     tests of every M bucket). One program per tile, no persistence: decode shapes have few tiles.

@@ -29,12 +29,12 @@ class GemmConfig:
     num_stages: int
     programs_per_sm: int = 1  # persistent programs per SM (>1 overlaps one program's epilogue/loads with another's MMA)
     # x @ weight^T computed as (weight @ x^T)^T (matmul._gemm_swap_kernel): block_n weight rows are the
-    # MMA's M side, up to block_m rows of x its N side (16-128 wide): decode-sized x is not padded to
+    # MMA's M side, up to block_m rows of x its N side (16-256 wide): decode-sized x is not padded to
     # 64 rows. Same sums: for bf16 on sm_90 both orders are one wgmma per BLOCK_K step.
     swap_ab: bool = False
     # Triton's Hopper warp specialisation (tl.range(warp_specialize=True)): num_warps=4 becomes a
     # producer warpgroup issuing the TMA loads and two consumer warpgroups, each with 64 of the
-    # tile's MMA rows, issuing the MMAs; the loads keep flowing across tile ends and joins.
+    # tile's MMA rows, issuing the MMAs; the loads keep flowing across tile ends.
     # The same dots in the same order: it moves only which warps do what. Needs num_warps 4 (the
     # consumers' warps) and 128 MMA rows a tile to split (block_m, or with swap_ab the block_n
     # weight rows); `linear` and `matmul` only (the row-parallel tree refuses it).
