@@ -92,23 +92,46 @@ def ratio(cfg: mc.GemmConfig, ms: list[int], shapes=QWEN3_8B_PROJECTIONS) -> flo
     return with_config(cfg, run)
 
 
-def large() -> None:
-    """LARGE and the table's own config at each of LARGE_MS on qkv and gate_up, every candidate
-    checked bitwise against the table's kernel at three Ms (one of them a partial tile) first."""
-    shapes = [s for s in QWEN3_8B_PROJECTIONS if s[0] in ("qkv", "gate_up")]
+def _same_bits(candidates: list[mc.GemmConfig], check_ms: tuple[int, ...]) -> list[mc.GemmConfig]:
+    """The candidates whose `linear` gives the table's bits at each of check_ms (qkv's shape); the
+    others are reported with how far off they are."""
     w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) / 64
-    x = torch.randn(1100, 4096, device="cuda", dtype=torch.bfloat16)
-    ref = {m: K.linear(x[:m], w) for m in (200, 256, 1100)}
+    x = torch.randn(max(check_ms), 4096, device="cuda", dtype=torch.bfloat16)
+    ref = {m: K.linear(x[:m], w) for m in check_ms}  # the table's kernel
     same = []
-    for cfg in LARGE:
-        off = _diverging(cfg, x, w, ref)
+    for cfg in candidates:
+        try:
+            off = _diverging(cfg, x, w, ref)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is just not a winner
+            print(f"  {cfg}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+            continue
         if off:
             print(f"  {cfg}: BITS DIFFER from the table's kernel, {off}", flush=True)
         else:
             same.append(cfg)
+    return same
+
+
+COLUMN_SHAPES = [s for s in QWEN3_8B_PROJECTIONS if s[0] in ("qkv", "gate_up")]
+
+
+def column() -> None:
+    """COLUMN_DECODE at M = 1 .. 256 on qkv and gate_up, bits checked first at Ms that take one,
+    two or several x tiles."""
+    for cfg in _same_bits(COLUMN_DECODE, (1, 8, 17, 64, 100, 128, 200, 256)):
+        per_m = [ratio(cfg, [m], [shape]) for shape in COLUMN_SHAPES for m in (1, 8, 64, 128, 256)]
+        print(f"column M<=64 geomean {statistics.geometric_mean(per_m[:3] + per_m[5:8]):.3f}  qkv M=1,8,64,128,256 "
+              f"{' '.join(f'{r:.3f}' for r in per_m[:5])}  gate_up {' '.join(f'{r:.3f}' for r in per_m[5:])}  {cfg}",
+              flush=True)
+
+
+def large() -> None:
+    """LARGE and the table's own config at each of LARGE_MS on qkv and gate_up, every candidate
+    checked bitwise against the table's kernel at three Ms (one of them a partial tile) first."""
+    same = _same_bits(LARGE, (200, 256, 1100))
     for m in LARGE_MS:
         table = mc.config_for(m, torch.bfloat16, 6144)
-        per = {cfg: [ratio(cfg, [m], [shape]) for shape in shapes] for cfg in dict.fromkeys([table, *same])}
+        per = {cfg: [ratio(cfg, [m], [shape]) for shape in COLUMN_SHAPES] for cfg in dict.fromkeys([table, *same])}
         for cfg, r in sorted(per.items(), key=lambda t: -statistics.geometric_mean(t[1])):
             print(f"M={m} qkv {r[0]:.3f} gate_up {r[1]:.3f}  {'TABLE ' if cfg == table else ''}{cfg}", flush=True)
 
@@ -128,23 +151,7 @@ def per_shape(m: int) -> None:
 def main() -> None:
     K.set_backend("triton")
     if "--column" in sys.argv:
-        shapes = [s for s in QWEN3_8B_PROJECTIONS if s[0] in ("qkv", "gate_up")]
-        w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) / 64
-        x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
-        ref = {m: K.linear(x[:m], w) for m in (1, 8, 17, 64, 100, 128, 200, 256)}  # the table's kernel
-        for cfg in COLUMN_DECODE:
-            try:
-                off = _diverging(cfg, x, w, ref)
-                if off:
-                    print(f"  {cfg}: BITS DIFFER from the table's kernel, {off}", flush=True)
-                    continue
-                per_m = [ratio(cfg, [m], [shape]) for shape in shapes for m in (1, 8, 64, 128, 256)]
-            except Exception as e:  # noqa: BLE001 - a config that does not compile is just not a winner
-                print(f"  {cfg}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
-                continue
-            print(f"column M<=64 geomean {statistics.geometric_mean(per_m[:3] + per_m[5:8]):.3f}  qkv M=1,8,64,128,256 "
-                  f"{' '.join(f'{r:.3f}' for r in per_m[:5])}  gate_up {' '.join(f'{r:.3f}' for r in per_m[5:])}  {cfg}",
-                  flush=True)
+        column()
         return
     if "--large" in sys.argv:
         large()

@@ -42,5 +42,6 @@ def main() -> None:
                   flush=True)
         triton_logp.BLOCK_T_WARPS, triton_logp.TILE_CONFIGS[torch.bfloat16] = CANDIDATES[0]
 
+
 if __name__ == "__main__":
     main()
