@@ -1,6 +1,7 @@
 """Sweep of the K-chunk tree GEMM (kernels/_triton/splitk.py) on the GPU at hand: tile config x
 programs per tile (split 1: one program holds a tile's whole tree in registers, one loop over every
-chunk's steps; split > 1: subtrees, one loop per chunk), bf16, vs cuBLAS and vs the plain `linear` kernel.
+chunk's steps; split > 1: subtrees, one loop per chunk; warp_specialize: the Gluon tree of
+splitk_ws.py, split 1), bf16, vs cuBLAS and vs the plain `linear` kernel.
 
     python benchmarks/sweep_rowtree.py [OUT.md]                      # the row-parallel GEMM as it runs:
                                                                      # o_proj / down_proj, 8 chunks
@@ -37,7 +38,10 @@ SPLIT_CONFIGS = [G(64, 128, 8, 4, 4), G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4)
                  G(128, 64, 1, 4, 4, swap_ab=True), G(256, 64, 1, 4, 3, swap_ab=True)]
 SPLITS = [None, 2, 4, 8]  # None: split_for's choice; splits above the chunk count are skipped
 WHOLE_TREE_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 8, 4), G(64, 128, 8, 4, 4),
-                      G(128, 64, 8, 4, 4)]
+                      G(128, 64, 8, 4, 4),
+                      # the warp-specialised Gluon tree (splitk_ws.py): 128x128 tiles, two consumers of 64 rows
+                      G(128, 128, 8, 4, 4, warp_specialize=True), G(128, 128, 8, 4, 3, warp_specialize=True),
+                      G(128, 128, 4, 4, 4, warp_specialize=True)]
 
 
 def candidates(m: int, chunks: int, whole_only: bool = False):
@@ -73,7 +77,7 @@ def main() -> None:
             best = (default, "default")
             for cfg, split in candidates(m, args.chunks, args.whole_only):
                 key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm,
-                       "swap" if cfg.swap_ab else "-", split or "auto")
+                       "swap" if cfg.swap_ab else "ws" if cfg.warp_specialize else "-", cfg.group_m, split or "auto")
                 fn = lambda: row_tree(x, w, chunk, x.dtype, split=split, config=cfg)  # noqa: E731
                 try:
                     got = fn()

@@ -14,17 +14,21 @@ import pytest
 
 def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: int) -> dict:
     """types(arg name) -> Triton signature type of every non-constexpr argument. Returns the MMA
-    (version, instruction shape) pairs of the TTGIR, ptxas' registers and spilled bytes, and whether
-    the kernel was warp-specialised (a ttg.warp_specialize op: producer and consumer partitions)."""
+    (version, instruction shape) pairs of the TTGIR, ptxas' registers and spilled bytes, whether
+    the kernel was warp-specialised (a ttg.warp_specialize op: producer and consumer partitions) and
+    its shared memory. A Gluon kernel (gluon.jit) compiles from its own source; its tensor
+    descriptors' types name their shared layout ("tensordesc<bf16[64, 64],NVMMASharedLayout(...)>")."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     names = [n for n in kernel.arg_names if n not in constexprs]
     sig = {n: types(n) for n in names}
     # what the launcher's specialisation tells the compiler: 16-byte aligned pointers and strides
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n.startswith("stride")}
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+    source = GluonASTSource if getattr(kernel, "is_gluon", lambda: False)() else ASTSource
+    compiled = triton.compile(source(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
     mma = sorted(set(re.findall(r"nvidia_mma<\{versionMajor = (\d).*?instrShape = (\[[\d, ]+\])",
                                 compiled.asm["ttgir"])))
@@ -37,7 +41,7 @@ def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: in
     regs = re.search(r"Used (\d+) registers", out)
     spills = re.search(r"(\d+) bytes spill stores", out)
     return {"mma": mma, "regs": int(regs.group(1)), "spill_bytes": int(spills.group(1)) if spills else 0,
-            "warp_specialized": "ttg.warp_specialize(" in compiled.asm["ttgir"]}
+            "warp_specialized": "ttg.warp_specialize(" in compiled.asm["ttgir"], "shared_bytes": compiled.metadata.shared}
 
 
 def probe(code: str):

@@ -261,8 +261,9 @@ def test_row_tree_over_many_tiles_and_chunk_counts():
 def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
     """A warp-specialised config (a producer and two consumer warpgroups on Hopper, 128 MMA rows a
     tile) gives `linear` the same bits as the table's kernels: persistent over several tiles and a
-    partial one, and swapped (128 weight rows a tile). The row-parallel tree refuses it; the config
-    refuses what Triton's Hopper pass cannot split (64 MMA rows, 8 warps) and more than 4 stages.
+    partial one, and swapped (128 weight rows a tile). The row-parallel tree runs it as a Gluon
+    kernel (GPU only: the GPU tests check its bits) that refuses a forced split; the config refuses
+    what Triton's Hopper pass cannot split (64 MMA rows, 8 warps) and more than 4 stages.
     That the pass really splits each table config is test_gemm_table_compiles_to_wgmma's job; the
     GPU row tests check the bits there."""
     from dataclasses import replace
@@ -278,7 +279,9 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
         monkeypatch.setattr(mc, "CONFIGS_FP32", [(None, cfg)])
         for m in ms:
             assert torch.equal(K.linear(x[:m], w, bias), plain[m]), (cfg, m)
-    with pytest.raises(ValueError, match="no warp-specialised form"):
+    with pytest.raises(ValueError, match="whole tree in one program; split 2"):
+        row_tree(x, w, 12, torch.float32, split=2, config=ws)
+    with pytest.raises(ValueError, match="Gluon kernel .* interpreter cannot run"):  # the tree's form: GPU only
         row_tree(x, w, 12, torch.float32, config=ws)
     for bad in (dict(block_m=64), dict(num_warps=8), dict(block_m=32, block_n=64, swap_ab=True), dict(num_stages=5)):
         with pytest.raises(ValueError, match="warp_specialize"):
@@ -295,11 +298,20 @@ def test_row_parallel_linear_row_invariant():
 _ROW_TREE_PROBE = r"""
 import json
 from sm90 import compile_sm90
-from lockstep.kernels._triton import splitk as S
+from lockstep.kernels._triton import splitk as S, splitk_ws as W
 from lockstep.kernels._triton.matmul_configs import ROW_CONFIGS_16BIT
 
 out = []
 for _, cfg in ROW_CONFIGS_16BIT:
+    if cfg.warp_specialize:  # the Gluon tree (splitk_ws.py), as row_tree launches it
+        for chunks in (8, 4, 2, 1):  # TP 1, 2, 4, 8
+            descs = {"x_desc": f"tensordesc<bf16[{W.HALF}, 64],{W.gluon_layout([W.HALF, 64])!r}>",
+                     "w_desc": f"tensordesc<bf16[{cfg.block_n}, 64],{W.gluon_layout([cfg.block_n, 64])!r}>",
+                     "out_ptr": "*bf16" if chunks == 8 else "*fp32"}
+            ce = dict(CHUNKS=chunks, GROUP_M=cfg.group_m, STAGES=cfg.num_stages)
+            r = compile_sm90(W._row_tree_ws_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, 1)
+            out.append(dict(r, tile=[cfg.block_m, cfg.block_n], split=1, chunks=chunks, gluon=True))
+        continue
     descs = {"x_desc": f"tensordesc<bf16[{cfg.block_m}, 64]>", "w_desc": f"tensordesc<bf16[{cfg.block_n}, 64]>",
              "out_ptr": "*bf16", "ws_ptr": "*fp32", "ticket_ptr": "*i32"}
     for split in (1, 2, 4, 8):
@@ -319,13 +331,19 @@ def test_row_tree_compiles_to_wgmma():
     loop each: the 8B decode and prefill shapes) keeps its tree in registers; split 1 (four 64x128
     fp32 tiles live: 256 registers a thread) and the split-8 root (eight tiles loaded at once)
     spill a little, and were still the fastest measured (benchmarks/sweep_rowtree.py). Every tile of
-    the table, the swapped decode tile (weight rows as the M side, 16 or 64 rows of x) included."""
+    the table, the swapped decode tile (weight rows as the M side, 16 or 64 rows of x) included; the
+    many-tile bucket's Gluon kernel at every TP size's chunk count is warp-specialised, wgmma, and
+    fits its registers and shared memory."""
     from sm90 import probe
 
     results = probe(_ROW_TREE_PROBE)
     for r in results:
-        assert {version for version, _ in r["mma"]} == {"3"} and not r["warp_specialized"], r
-    assert all(r["spill_bytes"] == 0 for r in results if r["split"] == 2), results
+        assert {version for version, _ in r["mma"]} == {"3"} and r["warp_specialized"] == bool(r.get("gluon")), r
+    assert all(r["spill_bytes"] == 0 for r in results if r["split"] == 2 and not r.get("gluon")), results
+    gluon = [r for r in results if r.get("gluon")]
+    assert gluon, "the table has a warp-specialised (Gluon) bucket: probe it"
+    for r in gluon:  # the pending subtrees fit (at most a few spilled bytes) and so do the stages
+        assert r["spill_bytes"] <= 64 and r["shared_bytes"] <= 227 * 1024, r
 
 
 _GEMM_PROBE = r"""
@@ -551,7 +569,8 @@ def test_gpu_linear_row_invariant_qwen3_8b(k, n):
 @pytest.mark.parametrize("k", [4096, 12288], ids=["o_proj", "down_proj"])
 def test_gpu_row_parallel_linear_row_invariant_qwen3_8b(k):
     """Row 0 of the one-launch row-parallel GEMM at every M bucket (and so at every subtree split
-    the SM count picks) equals row 0 alone; every forced split gives the same bits."""
+    the SM count picks) equals row 0 alone; the table's kernel (the Gluon tree at many tiles)
+    gives the tl kernel's bits at every split; both capture in a CUDA graph."""
     from lockstep.kernels._triton.matmul_configs import ROW_CONFIGS_16BIT, row_config_for
     from lockstep.kernels._triton.splitk import row_tree
 
@@ -559,15 +578,25 @@ def test_gpu_row_parallel_linear_row_invariant_qwen3_8b(k):
     x = torch.randn(max(GPU_M), k, device="cuda", dtype=BF16)
     w = (torch.randn(4096, k, device="cuda") / k**0.5).to(BF16)
     _assert_row0_matches_alone(lambda rows: K.row_parallel_linear(rows, w), (x,))
-    for m in (1, 128, 1024):
-        outs = [row_tree(x[:m], w, k // 8, BF16, split=s) for s in (1, 2, 4, 8)]
-        assert all(torch.equal(o, outs[0]) for o in outs), f"the split changed the bits at M={m}"
-    graph, eager = torch.cuda.CUDAGraph(), K.row_parallel_linear(x[:128], w)
-    with torch.cuda.graph(graph):
-        captured = K.row_parallel_linear(x[:128], w)
-    for _ in range(3):  # every replay zeroes its tickets again (a memset node of the graph)
-        graph.replay()
-        assert torch.equal(captured, eager)
+    # the table's kernel at each M (the warp-specialised Gluon tree above 256 rows) against the tl
+    # kernel's 64x128 tile at every split; and a TP rank's subtree roots (4, 2, 1 chunks, fp32)
+    tl_tile = row_config_for(128, BF16)
+    assert not tl_tile.warp_specialize and row_config_for(max(GPU_M), BF16).warp_specialize
+    for m in (1, 128, 1000, 1024, 4096):
+        table = row_tree(x[:m], w, k // 8, BF16)
+        for s in (1, 2, 4, 8):
+            assert torch.equal(row_tree(x[:m], w, k // 8, BF16, split=s, config=tl_tile), table), (m, s)
+    for chunks in (4, 2, 1):
+        xs, ws = x[:1000, :chunks * k // 8].contiguous(), w[:, :chunks * k // 8].contiguous()
+        assert torch.equal(row_tree(xs, ws, k // 8, torch.float32),
+                           row_tree(xs, ws, k // 8, torch.float32, split=1, config=tl_tile)), chunks
+    for m in (128, 1024):
+        graph, eager = torch.cuda.CUDAGraph(), K.row_parallel_linear(x[:m], w)
+        with torch.cuda.graph(graph):
+            captured = K.row_parallel_linear(x[:m], w)
+        for _ in range(3):  # every replay zeroes its tickets again (a memset node of the graph)
+            graph.replay()
+            assert torch.equal(captured, eager)
 
 
 @pytest.mark.gpu

@@ -37,7 +37,8 @@ class GemmConfig:
     # tile's MMA rows, issuing the MMAs; the loads keep flowing across tile ends.
     # The same dots in the same order: it moves only which warps do what. Needs num_warps 4 (the
     # consumers' warps) and 128 MMA rows a tile to split (block_m, or with swap_ab the block_n
-    # weight rows); `linear` and `matmul` only (the row-parallel tree refuses it).
+    # weight rows). The row-parallel tree's warp-specialised form is a Gluon kernel of the same
+    # shape (splitk_ws.py: one persistent program a tile, its whole tree; not swapped).
     warp_specialize: bool = False
 
     def __post_init__(self):
@@ -112,13 +113,19 @@ CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 
 # The row-parallel GEMM (splitk.py). Decode-sized x (M <= 64): swapped operands, 64 weight rows per
 # tile (as in the decode bucket above): 0.68-1.02x cuBLAS at M = 1, 8, 64 on o_proj and down against
-# 0.51-0.91x unswapped (H200, benchmarks/sweep_rowtree.py, RESULTS.md). Larger M: one 64x128 tile on
-# one warpgroup, the best of the sweeps at M = 128 .. 4096 against 64x64, 128x64, 128x128 and
-# two-warpgroup tiles. programs_per_sm is the program count the subtree split aims for at small M
+# 0.51-0.91x unswapped (H200, benchmarks/sweep_rowtree.py, RESULTS.md). 65-256 rows: one 64x128 tile
+# on one warpgroup, the best of the sweeps at M = 128 .. 256 against 64x64, 128x64, 128x128 and
+# two-warpgroup tiles (and against the warp-specialised tree below, whose 128-row tiles leave most
+# SMs idle there: o_proj / down 0.55 / 0.61 at M = 256 against 0.61 / 0.84). Many tiles (M > 256):
+# the warp-specialised Gluon tree (splitk_ws.py: a producer warp, two consumer warpgroups of 64 rows,
+# one persistent program per SM): 0.78 / 0.82 cuBLAS at M = 1,024 and 0.73 / 0.85 at 4,096 against
+# 0.43 / 0.48 and 0.40 / 0.54 for the 64x128 tile (o_proj / down; H200, the same bits checked at
+# every M). programs_per_sm is the program count the subtree split aims for at small M
 # (programs = tiles x split); like every field here it never changes the bits.
 ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=4, programs_per_sm=1, swap_ab=True)),
-    (None, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
+    (256, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
+    (None, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=4, warp_specialize=True)),
 ]
 ROW_CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
     (None, GemmConfig(block_m=64, block_n=32, group_m=8, num_warps=4, num_stages=2, programs_per_sm=2)),

@@ -15,7 +15,8 @@ order (they are its top levels) and writes the tile. Which program finishes a ti
 itself (chosen from the tile count to fill the SMs at small M), change only where a sum is done,
 never which sums: every SPLIT gives the same bits, which is what lets decode-sized products use
 more programs than tiles. The tile shape (ROW_CONFIGS) only decides which program computes an
-element, as in matmul.py.
+element, as in matmul.py. The many-tile buckets (a config with warp_specialize) run the same tree
+as splitk_ws.py's Gluon kernel instead: a producer warp and two consumer warpgroups, split 1.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
 from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, row_config_for, tile_rows
+from lockstep.kernels._triton.splitk_ws import row_tree_ws
 
 
 @triton.jit
@@ -178,17 +180,20 @@ def _row_tree_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK,
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def _chunk_descriptor(t: torch.Tensor, chunks: int, chunk: int, padded: int, block_rows: int,
-                      bk: int) -> TensorDescriptor:
-    """A host-built TMA descriptor of t [rows, chunks * chunk] whose chunks start every `padded`
-    columns. Every real Qwen3 width gives chunks of whole BLOCK_K steps (padded == chunk): t itself.
-    Otherwise (small test models, unaligned views) a copy with each chunk zero-padded to whole
-    steps and 16-byte aligned rows: the padding multiplies as exact zeros."""
+def _chunk_operand(t: torch.Tensor, chunks: int, chunk: int, padded: int) -> torch.Tensor:
+    """t [rows, chunks * chunk] as a TMA operand whose chunks start every `padded` columns. Every real
+    Qwen3 width gives chunks of whole BLOCK_K steps (padded == chunk): t itself. Otherwise (small test
+    models, unaligned views) a copy with each chunk zero-padded to whole steps and 16-byte aligned
+    rows: the padding multiplies as exact zeros."""
     if padded != chunk or t.stride(1) != 1 or not is_aligned(t) or (t.stride(0) * t.element_size()) % ALIGN_BYTES:
         copy = t.new_zeros(t.shape[0], chunks, padded)
         copy[:, :, :chunk] = t.reshape(t.shape[0], chunks, chunk)
         t = copy.view(t.shape[0], chunks * padded)
-    return TensorDescriptor(t, [t.shape[0], chunks * padded], [t.stride(0), 1], [block_rows, bk])
+    return t
+
+
+def _descriptor(t: torch.Tensor, block_rows: int, bk: int) -> TensorDescriptor:
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [block_rows, bk])
 
 
 def split_for(tiles: int, chunks: int, device: torch.device, target_programs_per_sm: int) -> int:
@@ -216,15 +221,20 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
     if m == 0 or n == 0:
         return out.zero_()
     cfg = config or row_config_for(m, x.dtype)
-    if cfg.warp_specialize:
-        # a persistent warp-specialised tree (Triton's Hopper pass, its joins as selects) compiled,
-        # but its first launch on an H200 did not finish within 170 s (benchmarks/RESULTS.md)
-        raise ValueError(f"row_tree: {cfg}: the row-parallel tree has no warp-specialised form")
     bk = block_k(x.dtype)
-    block_m = tile_rows(m, cfg)
     padded = triton.cdiv(chunk, bk) * bk  # whole BLOCK_K steps per chunk (bk * element size: 16-byte aligned)
-    x_desc = _chunk_descriptor(x, chunks, chunk, padded, block_m, bk)
-    w_desc = _chunk_descriptor(weight, chunks, chunk, padded, cfg.block_n, bk)
+    x_op, w_op = _chunk_operand(x, chunks, chunk, padded), _chunk_operand(weight, chunks, chunk, padded)
+    if cfg.warp_specialize:  # the many-tile buckets: one persistent program a tile, warp-specialised
+        if split not in (None, 1):
+            raise ValueError(f"row_tree: {cfg} holds each tile's whole tree in one program; split {split} "
+                             "needs a config without warp_specialize")
+        if INTERPRETING:
+            raise ValueError(f"row_tree: {cfg} runs a Gluon kernel (splitk_ws.py), which Triton's interpreter "
+                             "cannot run; test the tree's sums with the tl kernel's configs")
+        row_tree_ws(x_op, w_op, out, chunks, chunk, padded, bk, cfg)
+        return out
+    block_m = tile_rows(m, cfg)
+    x_desc, w_desc = _descriptor(x_op, block_m, bk), _descriptor(w_op, cfg.block_n, bk)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, cfg.block_n)
     split = split or split_for(tiles, chunks, x.device, cfg.programs_per_sm)
     if split not in (1, 2, 4, 8) or split > chunks:

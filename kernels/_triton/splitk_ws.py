@@ -1,0 +1,200 @@
+"""The row-parallel GEMM's canonical K-chunk tree (kernels/rowlinear.py, splitk.py) warp-specialised
+in Gluon, for the many-tile shapes (GemmConfig.warp_specialize in ROW_CONFIGS_16BIT).
+
+The same sums as splitk._row_tree_kernel at split 1: each chunk's product accumulated in fp32 from
+zero over its BLOCK_K steps in ascending k (one wgmma group per step), the products joined in the
+balanced tree ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7)) as they finish, the root rounded
+once to the output dtype (or kept in fp32: a TP rank's subtree root).
+
+Why Gluon: in Triton's `tl` the tree's join reads the accumulator inside the pipelined loop, so
+the compiled loop waits for every MMA and restarts no loads across a join, and Triton 3.6's
+automatic warp specialisation does not split that loop (benchmarks/RESULTS.md). Here the schedule
+is explicit, as in Triton's warp-specialised Hopper GEMM:
+- a producer warp walks every (tile, chunk, step) of its persistent program and issues the TMA
+  loads of x (two 64-row halves) and the weight into a STAGES-deep ring, waiting only for a free
+  slot, so loads keep flowing across the joins and from one tile into the next;
+- two consumer warpgroups, each owning 64 of the tile's 128 rows with its own accumulator and
+  pending subtrees (c_{j-1} and the pair in registers, the quad in shared memory), wait for a
+  slot, multiply, free the slot, and join at each chunk's end. They synchronise with nobody but
+  the producer, so one multiplies while the other joins.
+Which warpgroup or program computes an element never changes its sums; nor does the tile order.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from lockstep.kernels._triton._device import resident_programs
+from lockstep.kernels._triton.matmul_configs import GemmConfig
+
+HALF = 64  # rows of a tile per consumer warpgroup (one wgmma M side)
+# registers a thread, set per partition (setmaxnreg): the producer issues loads, the consumers hold
+# an accumulator and two pending subtrees (3 x 64 fp32 a thread)
+PRODUCER_REGISTERS = gl.constexpr(40)
+CONSUMER_REGISTERS = gl.constexpr(232)
+
+
+@gluon.jit
+def _tile_of(local, pid, num_programs, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """(row tile, column tile) of this program's `local`-th tile, in splitk's grouped order."""
+    tile = pid + local * num_programs
+    tiles_per_group = GROUP_M * num_pid_n
+    first_m = (tile // tiles_per_group) * GROUP_M
+    group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % tiles_per_group) % group_rows, (tile % tiles_per_group) // group_rows
+
+
+@gluon.jit
+def _producer(x_desc, w_desc, x0_smem, x1_smem, w_smem, ready, empty, my_tiles, pid, num_programs, steps, num_pid_m,
+              num_pid_n, K_PAD, CHUNKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    ROWS: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    t = 0
+    for local in range(my_tiles):
+        pid_m, pid_n = _tile_of(local, pid, num_programs, num_pid_m, num_pid_n, GROUP_M)
+        for j in range(CHUNKS):
+            for ki in range(steps):
+                s = t % STAGES
+                # a slot is free once both consumers released it (its first use passes at once)
+                mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                k = j * K_PAD + ki * BLOCK_K  # chunk j's columns start at j * K_PAD (zero padding: exact)
+                tma.async_copy_global_to_shared(x_desc, [pid_m * 2 * ROWS, k], bar, x0_smem.index(s))
+                tma.async_copy_global_to_shared(x_desc, [pid_m * 2 * ROWS + ROWS, k], bar, x1_smem.index(s))
+                tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_N, k], bar, w_smem.index(s))
+                t += 1
+
+
+@gluon.jit
+def _consumer(x_smem, w_smem, ready, empty, quad_smem, out_ptr, M, N, stride_o, my_tiles, pid, num_programs, steps,
+              num_pid_m, num_pid_n, ROW_HALF: gl.constexpr, CHUNKS: gl.constexpr, GROUP_M: gl.constexpr,
+              STAGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Rows ROW_HALF * ROWS .. + ROWS of every tile: multiply, free the slot, join at chunk ends
+    (splitk._join's tree, the quad waiting in quad_smem), write the root."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    acc = gl.zeros([ROWS, BLOCK_N], gl.float32, mma)
+    h1 = gl.zeros([ROWS, BLOCK_N], gl.float32, mma)  # a finished chunk waiting for its sibling
+    h2 = gl.zeros([ROWS, BLOCK_N], gl.float32, mma)  # a finished pair
+    t = 0
+    for local in range(my_tiles):
+        pid_m, pid_n = _tile_of(local, pid, num_programs, num_pid_m, num_pid_n, GROUP_M)
+        for j in range(CHUNKS):
+            for ki in range(steps):  # ascending k; the chunk's first step starts from zero
+                s = t % STAGES
+                mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+                acc = warpgroup_mma(x_smem.index(s), w_smem.index(s).permute((1, 0)), acc, use_acc=ki > 0,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(s), count=1)
+                t += 1
+            v = acc  # chunk j's product joins the tree
+            if CHUNKS > 1:
+                if j % 2 == 1:
+                    v = h1 + v
+            if CHUNKS > 2:
+                if j % 4 == 3:
+                    v = h2 + v
+            if CHUNKS > 4:
+                if j % 8 == 7:
+                    v = quad_smem.load(mma) + v  # each thread reads back only what it stored
+            if CHUNKS > 1:
+                if j % 2 == 0:
+                    h1 = v
+            if CHUNKS > 2:
+                if j % 4 == 1:
+                    h2 = v
+            if CHUNKS > 4:
+                if j % 8 == 3:
+                    quad_smem.store(v)
+            acc = v
+        offs_m = pid_m * 2 * ROWS + ROW_HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        ptrs = out_ptr + offs_m.to(gl.int64)[:, None] * stride_o + offs_n[None, :]
+        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@gluon.jit
+def _consumer0(x0_smem, x1_smem, w_smem, ready, empty, quad0, quad1, out_ptr, M, N, stride_o, my_tiles, pid,
+               num_programs, steps, num_pid_m, num_pid_n, CHUNKS: gl.constexpr, GROUP_M: gl.constexpr,
+               STAGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    _consumer(x0_smem, w_smem, ready, empty, quad0, out_ptr, M, N, stride_o, my_tiles, pid, num_programs, steps,
+              num_pid_m, num_pid_n, 0, CHUNKS, GROUP_M, STAGES, ROWS, BLOCK_N)
+
+
+@gluon.jit
+def _consumer1(x0_smem, x1_smem, w_smem, ready, empty, quad0, quad1, out_ptr, M, N, stride_o, my_tiles, pid,
+               num_programs, steps, num_pid_m, num_pid_n, CHUNKS: gl.constexpr, GROUP_M: gl.constexpr,
+               STAGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    _consumer(x1_smem, w_smem, ready, empty, quad1, out_ptr, M, N, stride_o, my_tiles, pid, num_programs, steps,
+              num_pid_m, num_pid_n, 1, CHUNKS, GROUP_M, STAGES, ROWS, BLOCK_N)
+
+
+# M is not specialised (one binary for every batch size), as in splitk._row_tree_kernel.
+@gluon.jit(do_not_specialize=["M"])
+def _row_tree_ws_kernel(x_desc, w_desc, out_ptr, M, N, K_CHUNK, K_PAD, stride_o, num_programs,
+                        CHUNKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    ROWS: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    pid = gl.program_id(0)
+    num_pid_m = gl.cdiv(M, 2 * ROWS)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    my_tiles = (num_pid_m * num_pid_n - pid + num_programs - 1) // num_programs
+    steps = gl.cdiv(K_CHUNK, BLOCK_K)
+    x0_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, ROWS, BLOCK_K], x_desc.layout)
+    x1_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, ROWS, BLOCK_K], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    quad_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], gl.float32)
+    quad0 = gl.allocate_shared_memory(gl.float32, [ROWS, BLOCK_N], quad_layout)
+    quad1 = gl.allocate_shared_memory(gl.float32, [ROWS, BLOCK_N], quad_layout)
+    # (the argument tuples are written out in the call: a tuple variable loses their constexprs)
+    gl.warp_specialize([
+        (_consumer0, (x0_smem, x1_smem, w_smem, ready, empty, quad0, quad1, out_ptr, M, N, stride_o, my_tiles, pid,
+                      num_programs, steps, num_pid_m, num_pid_n, CHUNKS, GROUP_M, STAGES, ROWS, BLOCK_N)),
+        (_consumer1, (x0_smem, x1_smem, w_smem, ready, empty, quad0, quad1, out_ptr, M, N, stride_o, my_tiles, pid,
+                      num_programs, steps, num_pid_m, num_pid_n, CHUNKS, GROUP_M, STAGES, ROWS, BLOCK_N)),
+        (_producer, (x_desc, w_desc, x0_smem, x1_smem, w_smem, ready, empty, my_tiles, pid, num_programs, steps,
+                     num_pid_m, num_pid_n, K_PAD, CHUNKS, GROUP_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+def gluon_layout(block: list[int], dtype: torch.dtype = torch.bfloat16) -> gl.NVMMASharedLayout:
+    """The shared layout of a TMA block of a 16-bit matrix (the wgmma operand swizzle)."""
+    return gl.NVMMASharedLayout.get_default_for(block, {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype])
+
+
+def gluon_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A Gluon TMA descriptor of the row-major matrix t (16-bit), in blocks of `block`."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, gluon_layout(block, t.dtype))
+
+
+def row_tree_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, chunks: int, chunk: int, padded: int,
+                bk: int, cfg: GemmConfig) -> None:
+    """out [M, N] = the canonical tree over the `chunks` chunks of x [M, chunks * padded] @ weight^T
+    (chunk c's columns start at c * padded; `chunk` real columns each), one persistent program per
+    SM. x and weight are row-major with 16-byte aligned rows (splitk._chunk_descriptor's operands)."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"row_tree: {cfg}: the warp-specialised tree multiplies 16-bit operands (wgmma), got {x.dtype}")
+    if cfg.block_m != 2 * HALF or cfg.num_warps != 4:
+        raise ValueError(f"row_tree: {cfg}: the warp-specialised tree takes block_m={2 * HALF} (two consumer "
+                         f"warpgroups of {HALF} rows) and num_warps=4 (each consumer's warps)")
+    m, n = out.shape
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    programs = min(tiles, resident_programs(x.device))
+    _row_tree_ws_kernel[(programs,)](
+        gluon_descriptor(x, [HALF, bk]), gluon_descriptor(weight, [cfg.block_n, bk]), out, m, n, chunk, padded,
+        out.stride(0), programs, CHUNKS=chunks, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
