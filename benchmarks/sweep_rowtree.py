@@ -40,8 +40,9 @@ SPLITS = [None, 2, 4, 8]  # None: split_for's choice; splits above the chunk cou
 WHOLE_TREE_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 8, 4), G(64, 128, 8, 4, 4),
                       G(128, 64, 8, 4, 4),
                       # the warp-specialised Gluon tree (splitk_ws.py): 128x128 tiles, two consumers of 64 rows
-                      G(128, 128, 8, 4, 4, warp_specialize=True), G(128, 128, 8, 4, 3, warp_specialize=True),
-                      G(128, 128, 4, 4, 4, warp_specialize=True)]
+                      G(128, 128, 8, 4, 4, warp_specialize=True), G(128, 128, 8, 4, 5, warp_specialize=True),
+                      G(128, 128, 4, 4, 4, warp_specialize=True), G(128, 64, 8, 4, 4, warp_specialize=True),
+                      G(128, 64, 8, 4, 6, warp_specialize=True), G(128, 64, 4, 4, 6, warp_specialize=True)]
 
 
 def candidates(m: int, chunks: int, whole_only: bool = False):

@@ -263,7 +263,7 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
     tile) gives `linear` the same bits as the table's kernels: persistent over several tiles and a
     partial one, and swapped (128 weight rows a tile). The row-parallel tree runs it as a Gluon
     kernel (GPU only: the GPU tests check its bits) that refuses a forced split; the config refuses
-    what Triton's Hopper pass cannot split (64 MMA rows, 8 warps) and more than 4 stages.
+    what Triton's Hopper pass cannot split (64 MMA rows, 8 warps), and `linear` more than 4 stages.
     That the pass really splits each table config is test_gemm_table_compiles_to_wgmma's job; the
     GPU row tests check the bits there."""
     from dataclasses import replace
@@ -283,9 +283,13 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
         row_tree(x, w, 12, torch.float32, split=2, config=ws)
     with pytest.raises(ValueError, match="Gluon kernel .* interpreter cannot run"):  # the tree's form: GPU only
         row_tree(x, w, 12, torch.float32, config=ws)
-    for bad in (dict(block_m=64), dict(num_warps=8), dict(block_m=32, block_n=64, swap_ab=True), dict(num_stages=5)):
+    for bad in (dict(block_m=64), dict(num_warps=8), dict(block_m=32, block_n=64, swap_ab=True)):
         with pytest.raises(ValueError, match="warp_specialize"):
             replace(ws, **bad)
+    for cfg in (replace(ws, num_stages=5), replace(swapped, num_stages=5)):  # `linear` only: the tree's Gluon kernel takes them
+        monkeypatch.setattr(mc, "CONFIGS_FP32", [(None, cfg)])
+        with pytest.raises(ValueError, match="more than 4 stages"):
+            K.linear(x[:40], w)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
 from lockstep.kernels._triton._tma import aligned_empty, install_descriptor_allocator, tma_matrix
-from lockstep.kernels._triton.matmul_configs import block_k, config_for, tile_rows
+from lockstep.kernels._triton.matmul_configs import MAX_WARP_SPECIALIZED_STAGES, block_k, config_for, tile_rows
 
 
 @triton.jit
@@ -149,6 +149,9 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None)
     b_rows, b_transposed = tma_matrix(b)
     c = aligned_empty(m, n, a.dtype, a.device)
     cfg = config_for(m, a.dtype, n)
+    if cfg.warp_specialize and cfg.num_stages > MAX_WARP_SPECIALIZED_STAGES:
+        raise ValueError(f"{cfg}: Triton's warp specialisation with more than {MAX_WARP_SPECIALIZED_STAGES} stages "
+                         "gave other bits than the plain kernel on an H200 (Triton 3.6; matmul_configs.py)")
     install_descriptor_allocator(a.device)
     if cfg.swap_ab and b_transposed and not a_transposed:  # x @ weight^T with an nn.Linear weight
         rows = tile_rows(m, cfg)

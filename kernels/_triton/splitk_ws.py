@@ -32,6 +32,7 @@ from lockstep.kernels._triton._device import resident_programs
 from lockstep.kernels._triton.matmul_configs import GemmConfig
 
 HALF = 64  # rows of a tile per consumer warpgroup (one wgmma M side)
+SHARED_BYTES = 227 * 1024  # per block on H100 / H200
 # registers a thread, set per partition (setmaxnreg): the producer issues loads, the consumers hold
 # an accumulator and two pending subtrees (3 x 64 fp32 a thread)
 PRODUCER_REGISTERS = gl.constexpr(40)
@@ -192,6 +193,10 @@ def row_tree_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, chunks
     if cfg.block_m != 2 * HALF or cfg.num_warps != 4:
         raise ValueError(f"row_tree: {cfg}: the warp-specialised tree takes block_m={2 * HALF} (two consumer "
                          f"warpgroups of {HALF} rows) and num_warps=4 (each consumer's warps)")
+    shared = cfg.num_stages * (2 * HALF + cfg.block_n) * bk * x.element_size() + 2 * HALF * cfg.block_n * 4
+    if shared > SHARED_BYTES:
+        raise ValueError(f"row_tree: {cfg}: {cfg.num_stages} stages of x and weight tiles plus the two pending quads "
+                         f"take {shared} bytes of shared memory, more than the {SHARED_BYTES} of a Hopper SM")
     m, n = out.shape
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = min(tiles, resident_programs(x.device))
