@@ -56,7 +56,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", nargs="?")
     p.add_argument("--shapes", choices=sorted(SHAPES), default="row")
-    p.add_argument("--chunks", type=int, choices=(2, 4, 8), default=8, help="K chunks of the tree")
+    p.add_argument("--chunks", type=int, choices=(1, 2, 4, 8), default=8,
+                   help="K chunks of the tree (1: a plain GEMM, the same sums as `linear`)")
     p.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated row counts (default: %(default)s)")
     p.add_argument("--whole-only", action="store_true", help="only whole-tree (split 1) candidates, at every M")
     args = p.parse_args()
@@ -72,6 +73,8 @@ def main() -> None:
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda").bfloat16()
             ref = row_tree(x, w, chunk, x.dtype)
+            if args.chunks == 1 and not torch.equal(ref, K.linear(x, w)):  # one chunk: `linear`'s own sums
+                print(f"  {name} M={m}: the one-chunk tree's BITS DIFFER from linear", flush=True)
             cublas = graph_ms_per_call(lambda: x @ w.t()) * 1e3
             linear = graph_ms_per_call(lambda: K.linear(x, w)) * 1e3
             default = graph_ms_per_call(lambda: row_tree(x, w, chunk, x.dtype)) * 1e3

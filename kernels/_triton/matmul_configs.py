@@ -112,18 +112,20 @@ CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 
 # The row-parallel GEMM (splitk.py). Decode-sized x (M <= 64): swapped operands, 64 weight rows per
 # tile (as in the decode bucket above): 0.68-1.02x cuBLAS at M = 1, 8, 64 on o_proj and down against
-# 0.51-0.91x unswapped (H200, benchmarks/sweep_rowtree.py, RESULTS.md). 65-256 rows: one 64x128 tile
-# on one warpgroup, the best of the sweeps at M = 128 .. 256 against 64x64, 128x64, 128x128 and
-# two-warpgroup tiles (and against the warp-specialised tree below, whose 128-row tiles leave most
-# SMs idle there: o_proj / down 0.55 / 0.61 at M = 256 against 0.61 / 0.84). Many tiles (M > 256):
-# the warp-specialised Gluon tree (splitk_ws.py: a producer warp, two consumer warpgroups of 64 rows,
-# one persistent program per SM): 0.78 / 0.82 cuBLAS at M = 1,024 and 0.73 / 0.85 at 4,096 against
-# 0.43 / 0.48 and 0.40 / 0.54 for the 64x128 tile (o_proj / down; H200, the same bits checked at
-# every M). programs_per_sm is the program count the subtree split aims for at small M
-# (programs = tiles x split); like every field here it never changes the bits.
+# 0.51-0.91x unswapped (H200, benchmarks/sweep_rowtree.py, RESULTS.md). 65-128 rows: one 64x128 tile
+# on one warpgroup, subtrees split over programs (0.76 / 0.85x on o_proj / down at M = 128 against
+# 0.78 / 0.74x for the warp-specialised tree's best, 128x64). Above: the warp-specialised Gluon tree
+# (splitk_ws.py: a producer warp, two consumer warpgroups of 64 rows, one persistent program per SM),
+# 128x64 tiles with 6 stages at 129-256 rows (0.84 / 0.87x at M = 256 against 0.65 / 0.84x for the
+# 64x128 tile; 128x128 tiles leave half the SMs idle there: 0.58 / 0.62x), 128x128 with 4 stages
+# beyond (0.80-0.85 / 0.83-0.91x at M = 512-4,096 against 0.41-0.53x for the 64x128 tile). Every
+# candidate's bits checked against the table's kernel before timing. programs_per_sm is the program
+# count the subtree split aims for at small M (programs = tiles x split); like every field here it
+# never changes the bits.
 ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=4, programs_per_sm=1, swap_ab=True)),
-    (256, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
+    (128, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
+    (256, GemmConfig(block_m=128, block_n=64, group_m=8, num_warps=4, num_stages=6, warp_specialize=True)),
     (None, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=4, warp_specialize=True)),
 ]
 ROW_CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
