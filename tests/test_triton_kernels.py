@@ -261,8 +261,9 @@ def test_row_tree_over_many_tiles_and_chunk_counts():
 def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
     """A warp-specialised config (a producer and two consumer warpgroups on Hopper, 128 MMA rows a
     tile) gives `linear` the same bits as the table's kernels: persistent over several tiles and a
-    partial one, and swapped (128 weight rows a tile). The row-parallel tree runs it as a Gluon
-    kernel (GPU only: the GPU tests check its bits) that refuses a forced split; the config refuses
+    partial one, and swapped (128 weight rows a tile), and a Gluon one (the tl kernel here: Gluon
+    runs only on the GPU, whose tests check its bits). The row-parallel tree takes only the Gluon
+    form, which refuses a forced split; the config refuses
     what Triton's Hopper pass cannot split (64 MMA rows, 8 warps), and `linear` more than 4 stages.
     That the pass really splits each table config is test_gemm_table_compiles_to_wgmma's job; the
     GPU row tests check the bits there."""
@@ -275,17 +276,23 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
     swapped = replace(ws, block_m=32, block_n=128, swap_ab=True)
     x, w, bias = torch.randn(300, 96), torch.randn(200, 96), torch.randn(200)
     plain = {m: K.linear(x[:m], w, bias) for m in (1, 40, 130, 300)}
-    for cfg, ms in ((ws, (1, 130, 300)), (swapped, (1, 40))):
+    gluon = replace(ws, gluon=True)  # on the CPU (the interpreter): the tl kernel with its tile
+    for cfg, ms in ((ws, (1, 130, 300)), (swapped, (1, 40)), (gluon, (1, 130))):
         monkeypatch.setattr(mc, "CONFIGS_FP32", [(None, cfg)])
         for m in ms:
             assert torch.equal(K.linear(x[:m], w, bias), plain[m]), (cfg, m)
-    with pytest.raises(ValueError, match="whole tree in one program; split 2"):
-        row_tree(x, w, 12, torch.float32, split=2, config=ws)
-    with pytest.raises(ValueError, match="Gluon kernel .* interpreter cannot run"):  # the tree's form: GPU only
+    with pytest.raises(ValueError, match="the Gluon kernel \\(gluon=True\\)"):
         row_tree(x, w, 12, torch.float32, config=ws)
+    with pytest.raises(ValueError, match="whole tree in one program; split 2"):
+        row_tree(x, w, 12, torch.float32, split=2, config=gluon)
+    with pytest.raises(ValueError, match="Gluon kernel .* interpreter cannot run"):  # the tree's form: GPU only
+        row_tree(x, w, 12, torch.float32, config=gluon)
     for bad in (dict(block_m=64), dict(num_warps=8), dict(block_m=32, block_n=64, swap_ab=True)):
         with pytest.raises(ValueError, match="warp_specialize"):
             replace(ws, **bad)
+    for bad in (dict(warp_specialize=False), dict(block_m=256), dict(block_m=32, block_n=128, swap_ab=True)):
+        with pytest.raises(ValueError, match="gluon is the warp-specialised schedule"):
+            replace(gluon, **bad)
     for cfg in (replace(ws, num_stages=5), replace(swapped, num_stages=5)):  # `linear` only: the tree's Gluon kernel takes them
         monkeypatch.setattr(mc, "CONFIGS_FP32", [(None, cfg)])
         with pytest.raises(ValueError, match="more than 4 stages"):
@@ -303,12 +310,13 @@ _ROW_TREE_PROBE = r"""
 import json
 from sm90 import compile_sm90
 from lockstep.kernels._triton import splitk as S, splitk_ws as W
-from lockstep.kernels._triton.matmul_configs import ROW_CONFIGS_16BIT
+from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, ROW_CONFIGS_16BIT, WIDE_CONFIGS_16BIT
 
 out = []
-for _, cfg in ROW_CONFIGS_16BIT:
+gluon_linear = [(cfg, (1,)) for *_, cfg in WIDE_CONFIGS_16BIT + CONFIGS_16BIT if cfg.gluon]  # linear: one chunk
+for cfg, chunk_counts in [(cfg, (8, 4, 2, 1)) for _, cfg in ROW_CONFIGS_16BIT] + gluon_linear:
     if cfg.warp_specialize:  # the Gluon tree (splitk_ws.py), as row_tree launches it
-        for chunks in (8, 4, 2, 1):  # TP 1, 2, 4, 8
+        for chunks in chunk_counts:  # the tree at TP 1, 2, 4, 8; `linear`'s product
             descs = {"x_desc": f"tensordesc<bf16[{W.HALF}, 64],{W.gluon_layout([W.HALF, 64])!r}>",
                      "w_desc": f"tensordesc<bf16[{cfg.block_n}, 64],{W.gluon_layout([cfg.block_n, 64])!r}>",
                      "out_ptr": "*bf16" if chunks == 8 else "*fp32"}
@@ -336,8 +344,8 @@ def test_row_tree_compiles_to_wgmma():
     fp32 tiles live: 256 registers a thread) and the split-8 root (eight tiles loaded at once)
     spill a little, and were still the fastest measured (benchmarks/sweep_rowtree.py). Every tile of
     the table, the swapped decode tile (weight rows as the M side, 16 or 64 rows of x) included; the
-    many-tile bucket's Gluon kernel at every TP size's chunk count is warp-specialised, wgmma, and
-    fits its registers and shared memory."""
+    many-tile buckets' Gluon kernel at every TP size's chunk count (and `linear`'s Gluon buckets,
+    one chunk) is warp-specialised, wgmma, and fits its registers and shared memory."""
     from sm90 import probe
 
     results = probe(_ROW_TREE_PROBE)
@@ -345,7 +353,7 @@ def test_row_tree_compiles_to_wgmma():
         assert {version for version, _ in r["mma"]} == {"3"} and r["warp_specialized"] == bool(r.get("gluon")), r
     assert all(r["spill_bytes"] == 0 for r in results if r["split"] == 2 and not r.get("gluon")), results
     gluon = [r for r in results if r.get("gluon")]
-    assert gluon, "the table has a warp-specialised (Gluon) bucket: probe it"
+    assert {r["chunks"] for r in gluon} == {8, 4, 2, 1}, "the tables have Gluon buckets: probe every chunk count"
     for r in gluon:  # the pending subtrees fit (at most a few spilled bytes) and so do the stages
         assert r["spill_bytes"] <= 64 and r["shared_bytes"] <= 227 * 1024, r
 
@@ -601,6 +609,27 @@ def test_gpu_row_parallel_linear_row_invariant_qwen3_8b(k):
         for _ in range(3):  # every replay zeroes its tickets again (a memset node of the graph)
             graph.replay()
             assert torch.equal(captured, eager)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_linear_gives_the_tl_kernels_bits(monkeypatch):
+    """`linear`'s Gluon buckets (gate/up's width, 129-1,024 rows) give the bits of the tl kernel on
+    the same tile, with and without a bias."""
+    from dataclasses import replace
+
+    from lockstep.kernels._triton import matmul_configs as mc
+
+    x = torch.randn(1024, 4096, device="cuda", dtype=BF16)
+    w = (torch.randn(24576, 4096, device="cuda") / 64).to(BF16)
+    bias = torch.randn(24576, device="cuda", dtype=BF16)
+    ms = (129, 256, 700, 1024)
+    assert all(mc.config_for(m, BF16, 24576).gluon for m in ms)
+    gluon = {m: (K.linear(x[:m], w), K.linear(x[:m], w, bias)) for m in ms}
+    monkeypatch.setattr(mc, "WIDE_CONFIGS_16BIT", [(lo, hi, n, replace(c, gluon=False))
+                                                   for lo, hi, n, c in mc.WIDE_CONFIGS_16BIT])
+    for m in ms:
+        assert torch.equal(gluon[m][0], K.linear(x[:m], w)), m
+        assert torch.equal(gluon[m][1], K.linear(x[:m], w, bias)), m
 
 
 @pytest.mark.gpu

@@ -26,6 +26,7 @@ import triton.language as tl
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
 from lockstep.kernels._triton._tma import aligned_empty, install_descriptor_allocator, tma_matrix
 from lockstep.kernels._triton.matmul_configs import MAX_WARP_SPECIALIZED_STAGES, block_k, config_for, tile_rows
+from lockstep.kernels._triton.splitk_ws import row_tree_ws
 
 
 @triton.jit
@@ -149,6 +150,11 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None)
     b_rows, b_transposed = tma_matrix(b)
     c = aligned_empty(m, n, a.dtype, a.device)
     cfg = config_for(m, a.dtype, n)
+    if cfg.gluon and b_transposed and not a_transposed and not INTERPRETING:  # x @ weight^T: the Gluon kernel
+        row_tree_ws(a_rows, b_rows, c, 1, k, k, block_k(a.dtype), cfg)  # one K chunk: this kernel's sums
+        if bias is not None:  # the reference's order, as in _gemm_kernel's epilogue
+            c = (c.float() + bias.float()).to(a.dtype)
+        return c.contiguous()
     if cfg.warp_specialize and cfg.num_stages > MAX_WARP_SPECIALIZED_STAGES:
         raise ValueError(f"{cfg}: Triton's warp specialisation with more than {MAX_WARP_SPECIALIZED_STAGES} stages "
                          "gave other bits than the plain kernel on an H200 (Triton 3.6; matmul_configs.py)")

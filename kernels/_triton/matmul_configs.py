@@ -37,14 +37,23 @@ class GemmConfig:
     # tile's MMA rows, issuing the MMAs; the loads keep flowing across tile ends.
     # The same dots in the same order: it moves only which warps do what. Needs num_warps 4 (the
     # consumers' warps) and 128 MMA rows a tile to split (block_m, or with swap_ab the block_n
-    # weight rows). The row-parallel tree's warp-specialised form is a Gluon kernel of the same
-    # shape (splitk_ws.py: one persistent program a tile, its whole tree; not swapped).
+    # weight rows).
     warp_specialize: bool = False
+    # The warp-specialised schedule written out in Gluon (splitk_ws.py) instead of left to Triton's
+    # pass: a producer warp and two independent consumer warpgroups of 64 rows, one persistent
+    # program a tile, any stage count whose buffers fit. Needs warp_specialize, block_m=128 and no
+    # swap. `linear`'s forward (x @ weight^T) runs it on the GPU; its backward's operand layouts and
+    # Triton's interpreter run the tl kernel with the same tile (the same sums). The row-parallel
+    # tree's warp-specialised form exists only in Gluon.
+    gluon: bool = False
 
     def __post_init__(self):
         if self.warp_specialize and (self.num_warps != 4 or (self.block_n if self.swap_ab else self.block_m) % 128):
             raise ValueError(f"{self}: warp_specialize needs num_warps=4 and a multiple of 128 MMA rows "
                              "(block_m, or block_n with swap_ab)")
+        if self.gluon and (not self.warp_specialize or self.block_m != 128 or self.swap_ab):
+            raise ValueError(f"{self}: gluon is the warp-specialised schedule of 128-row unswapped tiles: it needs "
+                             "warp_specialize=True, block_m=128 and swap_ab=False")
 
 
 # Every warp-specialised `linear` config with 5 or more stages that benchmarks/sweep_gemm.py ran (5, 6, 8
@@ -96,9 +105,13 @@ WIDE_CONFIGS_16BIT: list[tuple[int, int, int, GemmConfig]] = [
     # each weight tile streams once; 0.864x cuBLAS against 0.795x for the bucket's 64x128 tiles (H200,
     # M = 128, benchmarks/sweep_gemm.py --m 128). At qkv's N = 6144 it would leave most SMs idle.
     (65, 128, 16384, GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=3)),
-    # 129-256 rows against gate/up: warp-specialised 128x128 tiles, 0.814x cuBLAS at M = 256 against
-    # 0.705x swapped (the bucket's config) and 0.636x for unswapped 64x128 tiles (H200, sweep_gemm.py).
-    (129, 256, 16384, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=4, warp_specialize=True)),
+    # 129-1,024 rows against gate/up: warp-specialised 128x128 tiles in Gluon (splitk_ws.py with one
+    # K chunk: the same sums as _gemm_kernel, checked bitwise), 0.97 / 1.00 / 0.88x cuBLAS at M = 256 /
+    # 512 / 1,024 against 0.87 / 0.90 / 0.82x for Triton's pass on the same tile (the 257-1,024 bucket;
+    # H200, sweep_rowtree.py --shapes column --chunks 1). At qkv's N Triton's pass keeps the lead
+    # (0.90 vs 0.85-0.88 at 1,024). Before: Triton's pass at 129-256 rows, 0.814x vs 0.705x swapped.
+    (129, 1024, 16384, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=4,
+                                  warp_specialize=True, gluon=True)),
 ]
 
 # fp32 runs `tl.dot(..., input_precision="ieee")` on FMA units (no tensor cores): exact fp32
@@ -125,8 +138,9 @@ CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=4, programs_per_sm=1, swap_ab=True)),
     (128, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
-    (256, GemmConfig(block_m=128, block_n=64, group_m=8, num_warps=4, num_stages=6, warp_specialize=True)),
-    (None, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=4, warp_specialize=True)),
+    (256, GemmConfig(block_m=128, block_n=64, group_m=8, num_warps=4, num_stages=6, warp_specialize=True, gluon=True)),
+    (None, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=4, warp_specialize=True,
+                      gluon=True)),
 ]
 ROW_CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
     (None, GemmConfig(block_m=64, block_n=32, group_m=8, num_warps=4, num_stages=2, programs_per_sm=2)),

@@ -225,6 +225,9 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
     padded = triton.cdiv(chunk, bk) * bk  # whole BLOCK_K steps per chunk (bk * element size: 16-byte aligned)
     x_op, w_op = _chunk_operand(x, chunks, chunk, padded), _chunk_operand(weight, chunks, chunk, padded)
     if cfg.warp_specialize:  # the many-tile buckets: one persistent program a tile, warp-specialised
+        if not cfg.gluon:
+            raise ValueError(f"row_tree: {cfg}: the tree's warp-specialised form is the Gluon kernel (gluon=True); "
+                             "Triton's pass does not split its loop")
         if split not in (None, 1):
             raise ValueError(f"row_tree: {cfg} holds each tile's whole tree in one program; split {split} "
                              "needs a config without warp_specialize")

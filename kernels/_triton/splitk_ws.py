@@ -1,5 +1,6 @@
 """The row-parallel GEMM's canonical K-chunk tree (kernels/rowlinear.py, splitk.py) warp-specialised
-in Gluon, for the many-tile shapes (GemmConfig.warp_specialize in ROW_CONFIGS_16BIT).
+in Gluon, for the many-tile shapes (GemmConfig.gluon in ROW_CONFIGS_16BIT); with one chunk it is a
+plain GEMM, `linear`'s forward for the configs of its table that set gluon (matmul.py).
 
 The same sums as splitk._row_tree_kernel at split 1: each chunk's product accumulated in fp32 from
 zero over its BLOCK_K steps in ascending k (one wgmma group per step), the products joined in the
@@ -187,7 +188,10 @@ def row_tree_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, chunks
                 bk: int, cfg: GemmConfig) -> None:
     """out [M, N] = the canonical tree over the `chunks` chunks of x [M, chunks * padded] @ weight^T
     (chunk c's columns start at c * padded; `chunk` real columns each), one persistent program per
-    SM. x and weight are row-major with 16-byte aligned rows (splitk._chunk_descriptor's operands)."""
+    SM. x and weight are row-major with 16-byte aligned rows (splitk._chunk_operand's operands).
+    One chunk of K columns (padded = chunk = K): `linear`'s product, its K tail TMA zero-fill."""
+    if not cfg.gluon:
+        raise ValueError(f"{cfg}: not a Gluon config (gluon=False)")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"row_tree: {cfg}: the warp-specialised tree multiplies 16-bit operands (wgmma), got {x.dtype}")
     if cfg.block_m != 2 * HALF or cfg.num_warps != 4:
