@@ -121,22 +121,6 @@ def _consumer(x_smem, w_smem, ready, empty, quad_smem, out_ptr, M, N, stride_o, 
         gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
-@gluon.jit
-def _consumer0(x0_smem, x1_smem, w_smem, ready, empty, quad0, quad1, out_ptr, M, N, stride_o, my_tiles, pid,
-               num_programs, steps, num_pid_m, num_pid_n, CHUNKS: gl.constexpr, GROUP_M: gl.constexpr,
-               STAGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    _consumer(x0_smem, w_smem, ready, empty, quad0, out_ptr, M, N, stride_o, my_tiles, pid, num_programs, steps,
-              num_pid_m, num_pid_n, 0, CHUNKS, GROUP_M, STAGES, ROWS, BLOCK_N)
-
-
-@gluon.jit
-def _consumer1(x0_smem, x1_smem, w_smem, ready, empty, quad0, quad1, out_ptr, M, N, stride_o, my_tiles, pid,
-               num_programs, steps, num_pid_m, num_pid_n, CHUNKS: gl.constexpr, GROUP_M: gl.constexpr,
-               STAGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    _consumer(x1_smem, w_smem, ready, empty, quad1, out_ptr, M, N, stride_o, my_tiles, pid, num_programs, steps,
-              num_pid_m, num_pid_n, 1, CHUNKS, GROUP_M, STAGES, ROWS, BLOCK_N)
-
-
 # M is not specialised (one binary for every batch size), as in splitk._row_tree_kernel.
 @gluon.jit(do_not_specialize=["M"])
 def _row_tree_ws_kernel(x_desc, w_desc, out_ptr, M, N, K_CHUNK, K_PAD, stride_o, num_programs,
@@ -162,10 +146,10 @@ def _row_tree_ws_kernel(x_desc, w_desc, out_ptr, M, N, K_CHUNK, K_PAD, stride_o,
     quad1 = gl.allocate_shared_memory(gl.float32, [ROWS, BLOCK_N], quad_layout)
     # (the argument tuples are written out in the call: a tuple variable loses their constexprs)
     gl.warp_specialize([
-        (_consumer0, (x0_smem, x1_smem, w_smem, ready, empty, quad0, quad1, out_ptr, M, N, stride_o, my_tiles, pid,
-                      num_programs, steps, num_pid_m, num_pid_n, CHUNKS, GROUP_M, STAGES, ROWS, BLOCK_N)),
-        (_consumer1, (x0_smem, x1_smem, w_smem, ready, empty, quad0, quad1, out_ptr, M, N, stride_o, my_tiles, pid,
-                      num_programs, steps, num_pid_m, num_pid_n, CHUNKS, GROUP_M, STAGES, ROWS, BLOCK_N)),
+        (_consumer, (x0_smem, w_smem, ready, empty, quad0, out_ptr, M, N, stride_o, my_tiles, pid, num_programs,
+                     steps, num_pid_m, num_pid_n, 0, CHUNKS, GROUP_M, STAGES, ROWS, BLOCK_N)),
+        (_consumer, (x1_smem, w_smem, ready, empty, quad1, out_ptr, M, N, stride_o, my_tiles, pid, num_programs,
+                     steps, num_pid_m, num_pid_n, 1, CHUNKS, GROUP_M, STAGES, ROWS, BLOCK_N)),
         (_producer, (x_desc, w_desc, x0_smem, x1_smem, w_smem, ready, empty, my_tiles, pid, num_programs, steps,
                      num_pid_m, num_pid_n, K_PAD, CHUNKS, GROUP_M, STAGES)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
