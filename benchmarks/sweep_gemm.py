@@ -43,7 +43,7 @@ COLUMN_DECODE = [G(64, 64, 1, 4, 8, swap_ab=True), G(64, 128, 1, 4, 8, swap_ab=T
                  G(128, 64, 1, 4, 6, swap_ab=True),  # the table's 65-128 rows at qkv's N
                  G(256, 64, 1, 4, 4, swap_ab=True),  # the table's 129-256 rows at qkv's N (one wgmma n256)
                  G(256, 64, 1, 4, 3, swap_ab=True),
-                 # warp-specialised (at most 4 stages: GemmConfig refuses more): a producer warpgroup
+                 # warp-specialised (at most 4 stages: `linear` refuses more, matmul.py): a producer warpgroup
                  # streams the weight, two consumers take 64 of a program's 128 weight rows each
                  G(64, 128, 1, 4, 4, swap_ab=True, warp_specialize=True),
                  G(128, 128, 1, 4, 4, swap_ab=True, warp_specialize=True),
