@@ -39,13 +39,12 @@ class LinearLogpOutput(NamedTuple):
 
 
 class ChunkStates(NamedTuple):
-    """Softmax states of the chunks held locally: m, s, w [T, n_local] (w None without entropy),
-    the target's logit [T] (0 where the target lies in another shard) and whether it was here."""
+    """Softmax states of the chunks held locally: m, s, w [T, n_local] (w None without entropy) and
+    the target's logit [T] (exactly 0 where the target lies in another shard)."""
     m: torch.Tensor
     s: torch.Tensor
     w: torch.Tensor | None
     target_z: torch.Tensor
-    target_here: torch.Tensor
 
 
 def chunk_width(full_vocab_size: int) -> int:
@@ -103,7 +102,6 @@ def torch_chunk_states(hidden, weight, targets, *, vocab_start, width, real_voca
     if logits is not None and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         logits = None  # the same products, multiplied again so that autograd sees them
     local = targets - vocab_start
-    here = (local >= 0) & (local < v)
     target_z = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     states = []
     step = width * max(1, _GROUP_ELEMENTS // max(1, hidden.shape[0] * width))  # columns per group
@@ -125,7 +123,7 @@ def torch_chunk_states(hidden, weight, targets, *, vocab_start, width, real_voca
         states.append(_state(F.pad(z, (0, n * width - (g1 - g0)), value=_NEG_INF).unflatten(-1, (n, width)),
                              with_entropy))
     m, s, w = (torch.cat(parts, -1) if parts[0] is not None else None for parts in zip(*states))
-    return ChunkStates(m, s, w, target_z, here)
+    return ChunkStates(m, s, w, target_z)
 
 
 chunk_states = KernelOp("linear_logp_chunk_states", torch_chunk_states, "logp:chunk_states")
@@ -171,6 +169,16 @@ def _finish(target_z, m, s, w) -> LinearLogpOutput:
     lse = m + torch.log(s)
     entropy = lse - w / s if w is not None else None
     return LinearLogpOutput(target_z - lse, lse, entropy)
+
+
+def torch_merge_states(target_z: torch.Tensor, m: torch.Tensor, s: torch.Tensor,
+                       w: torch.Tensor | None) -> LinearLogpOutput:
+    """The reference of the step after the chunk states: [T, n] states (every chunk of the vocab,
+    in global chunk order) merged over merge_tree's balanced tree, then logp, lse and entropy."""
+    return _finish(target_z, *merge_tree(m, s, w))
+
+
+merge_states = KernelOp("linear_logp_merge", torch_merge_states, "logp:merge_states")
 
 
 class _GatherReplicated(torch.autograd.Function):
@@ -250,9 +258,9 @@ def _forward(hidden, weight, targets, bias, temperature, real, full_vocab, with_
     if group is not None:
         m, s = torch.cat(_gather(m, group), -1), torch.cat(_gather(s, group), -1)
         w = torch.cat(_gather(w, group), -1) if w is not None else None
-        # exactly one rank holds each target: adding the others' exact zeros changes no bit
-        target_z = torch.stack(_gather(torch.where(st.target_here, target_z, 0.0), group)).sum(0)
-    return _finish(target_z, *merge_tree(m, s, w))
+        # exactly one rank holds each target; the others' target_z is an exact 0, which changes no bit
+        target_z = torch.stack(_gather(target_z, group)).sum(0)
+    return merge_states(target_z, m, s, w)
 
 
 def canonical_support(support_ids: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,11 @@ CPU tier (Triton's interpreter, small shapes): logp and entropy agree with a flo
 (fp32 and bf16; float and per-row temperatures, a padded vocab, a bias, chunks of several tiles);
 a row alone equals the row inside batches of random neighbours at random positions, bit for bit;
 the row block size changes no bit; gradients agree with float64 autograd; the vocab-sharded form
-equals the unsharded one bit for bit; the chunk states agree with the torch reference; the custom
-op passes opcheck.
+equals the unsharded one bit for bit; the chunk states agree with the torch reference; the merge
+kernel agrees with the reference merge and follows its tree order; the custom ops pass opcheck.
 GPU tier (@pytest.mark.gpu, Qwen3's LM head in bf16): row 0 is the same bits at T = 1, 64 and 4096;
-logp, entropy and gradients agree with an fp32 computation.
+logp, entropy and gradients agree with an fp32 computation; the merge kernel equals the torch merge
+bit for bit.
 """
 import os
 import socket
@@ -239,12 +240,60 @@ def test_chunk_states_agree_with_torch_reference():
               temperature=torch.rand(9) + 0.5, with_entropy=True)
     ours = _triton_logp_module().chunk_states(hidden, weight[30:80], targets, **kw)
     ref = logp_module.torch_chunk_states(hidden, weight[30:80], targets, **kw)
-    assert torch.equal(ours.m.isinf(), ref.m.isinf()) and torch.equal(ours.target_here, ref.target_here)
+    assert torch.equal(ours.m.isinf(), ref.m.isinf())
+    elsewhere = (targets < 30) | (targets >= 80)  # the target's logit is another shard's: an exact 0
+    assert elsewhere.any() and (ours.target_z[elsewhere] == 0).all() and (ref.target_z[elsewhere] == 0).all()
     finite = ref.m.isfinite()
     assert torch.allclose(ours.m[finite], ref.m[finite], atol=1e-5)
     for a, b in [(ours.s, ref.s), (ours.w, ref.w), (ours.target_z, ref.target_z)]:
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
     assert (ours.s[~finite] == 0).all() and (ours.w[~finite] == 0).all()
+
+
+def _merge_inputs(t, n, seed=0, device="cpu"):
+    """[T, n] chunk states as linear_logp's chunk kernels leave them, every third chunk past the real
+    vocab (max -inf, sums 0), and target logits."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(t, n, generator=g) * 4
+    m[:, 1::3] = float("-inf")
+    s = (torch.rand(t, n, generator=g) * 50 + 1).masked_fill(m.isinf(), 0.0)
+    w = (torch.randn(t, n, generator=g) * 20).masked_fill(m.isinf(), 0.0)
+    return tuple(x.to(device) for x in (torch.randn(t, generator=g) * 4, m, s, w))
+
+
+@pytest.mark.parametrize("t,n", [(1, 64), (70, 64), (5, 3), (9, 1)])
+def test_merge_kernel_agrees_with_the_reference_merge(t, n):
+    """The one-launch merge (logp, lse, entropy from [T, n] chunk states, n padded to a power of two)
+    against kernels/logp.py's torch_merge_states, with and without entropy. On the CPU within an ulp
+    or two: the interpreter's exp and log are NumPy's (on a GPU the bits are equal, below)."""
+    tz, m, s, w = _merge_inputs(t, n)
+    for with_w in (w, None):
+        got = _triton_logp_module().merge_states(tz, m, s, with_w)
+        ref = logp_module.torch_merge_states(tz, m, s, with_w)
+        assert (got.entropy is None) == (with_w is None)
+        for a, b in zip(got, ref):
+            if b is not None:
+                assert a.shape == b.shape and (a - b).abs().max() <= 2e-5
+
+
+def test_merge_kernel_merges_in_the_reference_tree_order():
+    """States whose sum depends on the order of the additions: chunk 0 holds 1, the others tiny
+    sums below an ulp of 1, all with max 0 (every rescale is exp(0) = 1, exact). merge_tree's
+    half-split tree and two other orders (adjacent pairs; one running sum) end some rows ulps of s
+    apart, which lse = log(s) near 0 shows far above NumPy's error in the log: the kernel must land
+    on merge_tree's."""
+    n, rows = 64, 16
+    s = torch.rand(rows, n, generator=torch.Generator().manual_seed(3)) * 2.0**-23
+    s[:, 0] = 1.0
+    m, tz = torch.zeros(rows, n), torch.zeros(rows)
+    ref = logp_module.torch_merge_states(tz, m, s, None).lse
+    bit_reversed = [int(format(i, "06b")[::-1], 2) for i in range(n)]
+    adjacent = logp_module.torch_merge_states(tz, m, s[:, bit_reversed], None).lse
+    running = torch.log(torch.stack(list(s.unbind(1))).cumsum(0)[-1])  # cumsum: one running fp32 sum
+    for other in (adjacent, running):  # the check can fire: other orders do land elsewhere
+        assert (other - ref).abs().max() > 5e-8
+    got = _triton_logp_module().merge_states(tz, m, s, None).lse
+    assert (got - ref).abs().max() <= 1e-11
 
 
 def test_empty_batch():
@@ -261,6 +310,9 @@ def test_custom_op_passes_opcheck():
     logits = module.head_logits_op(hidden.detach(), weight.detach(), 1)
     torch.library.opcheck(module._chunk_states_op, (*args, logits))
     torch.library.opcheck(module.head_logits_op, (hidden.detach(), weight.detach(), 1))
+    tz, m, s, w = _merge_inputs(4, 8)
+    for with_w in (w.requires_grad_(), None):
+        torch.library.opcheck(module._merge_op, (tz.requires_grad_(), m, s.requires_grad_(), with_w))
 
 
 # ---------------------------------------------------------------- vocab-sharded (gloo)
@@ -344,6 +396,24 @@ def test_gpu_row0_bitwise_across_batch_sizes_qwen3():
 def _fp32_naive(hidden, weight, targets):
     lsm = (hidden.float() @ weight.float().t()).log_softmax(-1)
     return lsm.gather(1, targets[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
+
+
+@pytest.mark.gpu
+def test_gpu_merge_kernel_equals_the_torch_merge_bitwise():
+    """On the GPU the one-launch merge is torch_merge_states' bits: the same operations, each
+    rounded on its own, libdevice's expf / logf (CUDA's, which torch's kernels call) without
+    flush-to-zero. Random states (with -inf chunks), and the chunk states of Qwen3's LM head."""
+    module = _triton_logp_module()
+    cases = [_merge_inputs(t, n, seed=t, device="cuda") for t, n in ((4096, 64), (3, 16), (7, 1), (5, 40))]
+    hidden, weight, targets = _qwen3_head(256)
+    st = module.chunk_states(hidden, weight, targets, vocab_start=0, width=logp_module.chunk_width(QWEN3_V),
+                             real_vocab_size=QWEN3_V, bias=None, temperature=0.7, with_entropy=True)
+    cases.append((st.target_z, st.m, st.s, st.w))
+    for tz, m, s, w in cases:
+        for with_w in (w, None):
+            got = module.merge_states(tz, m, s, with_w)
+            ref = logp_module.torch_merge_states(tz, m, s, with_w)
+            assert all(b is None and a is None or torch.equal(a, b) for a, b in zip(got, ref)), m.shape
 
 
 @pytest.mark.gpu

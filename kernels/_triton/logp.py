@@ -35,12 +35,13 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
 from lockstep.kernels._triton._tma import aligned_empty
-from lockstep.kernels.logp import ChunkStates
+from lockstep.kernels.logp import ChunkStates, LinearLogpOutput, torch_merge_states
 
 # ------------------------------------------------------------------------------------------------
 # Tunables: every number to touch when tuning lives here.
@@ -81,6 +82,8 @@ GROUP_T = 8  # row blocks that sweep the vocab together: their weight tiles are 
 # fp32 grad_hidden accumulator and larger GEMMs.
 BACKWARD_SLICE_CHUNKS = 8
 BACKWARD_SLICE_BYTES = 512 << 20
+# chunk states (rows x chunks, padded to a power of two) one program of the merge holds per array
+MERGE_STATES_PER_PROGRAM = 4096
 
 # ------------------------------------------------------------------------------------------------
 # Kernels
@@ -146,13 +149,19 @@ def _logits(h_desc, w_desc, b_ptr, z_ptr, stride_z, inv_temp, row0, rows, row_ok
 
 
 @triton.jit
+def _halves(x):
+    """(x[:, :C/2], x[:, C/2:]) of x [R, C]: a tree level's two operands, by column index."""
+    x = tl.reshape(x, [x.shape[0], 2, x.shape[1] // 2])
+    return tl.split(tl.permute(x, (0, 2, 1)))
+
+
+@triton.jit
 def _tree_sum(x, LOG2_N: tl.constexpr):
     """Row sums of x [R, 2**LOG2_N] as a balanced tree over the column index (column j meets
     j + N/2 first, like _invariant.tree_sum): the order is fixed by the columns' indices, never by
     the register layout the compiler picks for a given BLOCK_T."""
     for _ in tl.static_range(LOG2_N):
-        x = tl.reshape(x, [x.shape[0], 2, x.shape[1] // 2])
-        first, second = tl.split(tl.permute(x, (0, 2, 1)))
+        first, second = _halves(x)
         x = first + second
     return tl.reshape(x, [x.shape[0]])
 
@@ -221,7 +230,11 @@ def _chunk_states_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr,
     tl.store(s_ptr + at, s, mask=row_ok)
     if WITH_ENTROPY:
         tl.store(ent_ptr + at, w, mask=row_ok)
-    tl.store(tz_ptr + rows, tz, mask=row_ok & (target >= lo) & (target < hi))
+    # one writer per row: the chunk holding the target, or chunk 0 (an exact 0) where this shard
+    # does not hold it (so the output needs no zero-fill of its own)
+    local = (target >= 0) & (target < V_local)
+    writes = tl.where(local, (target >= lo) & (target < hi), chunk == 0)
+    tl.store(tz_ptr + rows, tl.where(local, tz, 0.0), mask=row_ok & writes)
 
 
 @triton.jit
@@ -288,6 +301,60 @@ def _dlogits_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, gs_ptr, gw_
     tl.store(out, dz.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < hi)[None, :])
 
 
+@triton.jit
+def _exp(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.exp(x)
+    else:  # the interpreter runs no libdevice call
+        return tl.exp(x)
+
+
+@triton.jit
+def _log(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _merge_kernel(tz_ptr, m_ptr, s_ptr, w_ptr, logp_ptr, lse_ptr, ent_ptr, T, n, WITH_ENTROPY: tl.constexpr,
+                  LOG2_N: tl.constexpr, BLOCK_R: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """kernels/logp.py's merge_tree then _finish, for BLOCK_R rows of [T, n] chunk states: the same
+    operations in the same order, each rounded on its own (the launch turns FMA contraction off),
+    exp and log as libdevice's expf / logf without flush-to-zero (CUDA's, which torch runs) and the
+    division correctly rounded, so the bits are the torch reference's on the same GPU."""
+    N: tl.constexpr = 1 << LOG2_N
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, N)
+    row_ok = rows < T
+    # rows past T merge a copy of row T - 1 (never stored); columns past n are merge_tree's padding,
+    # the identity of a merge
+    at = tl.minimum(rows, T - 1).to(tl.int64)[:, None] * n + cols[None, :]
+    ok = (cols < n)[None, :]
+    m = tl.load(m_ptr + at, mask=ok, other=float("-inf"))
+    s = tl.load(s_ptr + at, mask=ok, other=0.0)
+    w = tl.load(w_ptr + at, mask=ok, other=0.0) if WITH_ENTROPY else s
+    for _ in tl.static_range(LOG2_N):  # chunk j meets chunk j + N/2, as in merge_tree
+        m1, m2 = _halves(m)
+        s1, s2 = _halves(s)
+        m = tl.maximum(m1, m2)
+        ref = tl.where(m == float("-inf"), 0.0, m)
+        a1 = _exp(m1 - ref, LIBDEVICE)
+        a2 = _exp(m2 - ref, LIBDEVICE)
+        s = s1 * a1 + s2 * a2
+        if WITH_ENTROPY:
+            w1, w2 = _halves(w)
+            w = w1 * a1 + w2 * a2
+    m = tl.reshape(m, [BLOCK_R])
+    lse = m + _log(tl.reshape(s, [BLOCK_R]), LIBDEVICE)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    tl.store(logp_ptr + rows, tl.load(tz_ptr + rows, mask=row_ok) - lse, mask=row_ok)
+    if WITH_ENTROPY:
+        tl.store(ent_ptr + rows, lse - tl.math.div_rn(tl.reshape(w, [BLOCK_R]), tl.reshape(s, [BLOCK_R])),
+                 mask=row_ok)
+
+
 # ------------------------------------------------------------------------------------------------
 # Launchers
 # ------------------------------------------------------------------------------------------------
@@ -346,7 +413,7 @@ def _forward(hidden, weight, targets, bias, temperature, vocab_start, width, rea
     T, n = hidden.shape[0], triton.cdiv(weight.shape[0], width)
     m, s = (hidden.new_empty(T, n, dtype=torch.float32) for _ in range(2))
     w = hidden.new_empty(T, n if with_entropy else 0, dtype=torch.float32)
-    target_z = hidden.new_zeros(T, dtype=torch.float32)  # stays 0 where the target is in another shard
+    target_z = hidden.new_empty(T, dtype=torch.float32)  # 0 where the target is in another shard (the kernel)
     if T:
         args = _launch_args(hidden, weight, targets, bias, temperature, width=width, vocab_start=vocab_start,
                             real_vocab_size=real_vocab_size, with_entropy=with_entropy)
@@ -370,6 +437,23 @@ def _head_logits(hidden, weight, width):
                      BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_T=GROUP_T, num_stages=cfg.num_stages),
                 tiles, z_ptr=z, stride_z=z.stride(0))
     return z
+
+
+def _merge(target_z, m, s, w):
+    """(logp, lse, entropy) of [T, n] chunk states (entropy [0] without w): one launch."""
+    (T, n), with_entropy = m.shape, w is not None
+    logp, lse = torch.empty_like(target_z), torch.empty_like(target_z)
+    entropy = target_z.new_empty(T if with_entropy else 0)
+    if T:
+        log2_n = (n - 1).bit_length()
+        block_r = max(1, MERGE_STATES_PER_PROGRAM >> log2_n)
+        m, s = m.contiguous(), s.contiguous()
+        _merge_kernel[(triton.cdiv(T, block_r),)](
+            target_z.contiguous(), m, s, w.contiguous() if with_entropy else s, logp, lse, entropy, T, n,
+            WITH_ENTROPY=with_entropy, LOG2_N=log2_n, BLOCK_R=block_r, LIBDEVICE=not INTERPRETING, num_warps=4,
+            # every product and sum rounded on its own, as torch's separate kernels round them
+            enable_fp_fusion=False, enable_reflect_ftz=False)
+    return logp, lse, entropy
 
 
 def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -469,6 +553,37 @@ def _(hidden, weight, width):
     return hidden.new_empty(hidden.shape[0], weight.shape[0], dtype=torch.float32)
 
 
+@torch.library.custom_op("lockstep::linear_logp_merge", mutates_args=())
+def _merge_op(target_z: torch.Tensor, m: torch.Tensor, s: torch.Tensor, w: Optional[torch.Tensor]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, lse, entropy) [T]; entropy is [0] when w is None."""
+    return _merge(target_z, m, s, w)
+
+
+@_merge_op.register_fake
+def _(target_z, m, s, w):
+    return torch.empty_like(target_z), torch.empty_like(target_z), target_z.new_empty(m.shape[0] if w is not None else 0)
+
+
+def _merge_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _merge_backward(ctx, grad_logp, grad_lse, grad_entropy):
+    """The reference's gradient (the max is a constant, as in the chunk states): its autograd graph
+    rebuilt from the saved states. The backward runs once per training step, off the sampler's path."""
+    target_z, m, s, w = ctx.saved_tensors
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (target_z, s, w) if t is not None]
+        out = torch_merge_states(leaves[0], m, leaves[1], leaves[2] if w is not None else None)
+        pairs = [(o, g) for o, g in zip(out, (grad_logp, grad_lse, grad_entropy)) if o is not None and g is not None]
+        grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+    return grads[0], None, grads[1], grads[2] if w is not None else None
+
+
+_merge_op.register_autograd(_merge_backward, setup_context=_merge_setup_context)
+
+
 def _setup_context(ctx, inputs, output):
     hidden, weight, targets, bias, temperature, *statics, _logits = inputs
     ctx.vocab_start, ctx.width, ctx.real_vocab_size, ctx.with_entropy = statics
@@ -505,11 +620,15 @@ def chunk_states(hidden, weight, targets, *, vocab_start, width, real_vocab_size
     """Triton version of lockstep.kernels.logp.torch_chunk_states (same signature and semantics)."""
     m, s, w, target_z = _chunk_states_op(hidden, weight, targets, bias, _row_temperatures(temperature, hidden),
                                          vocab_start, width, real_vocab_size, with_entropy, logits)
-    local = targets - vocab_start
-    here = (local >= 0) & (local < weight.shape[0])
-    return ChunkStates(m, s, w if with_entropy else None, target_z, here)
+    return ChunkStates(m, s, w if with_entropy else None, target_z)
 
 
 def head_logits(hidden, weight, *, width):
     """Triton version of lockstep.kernels.logp.torch_head_logits."""
     return head_logits_op(hidden, weight, width)
+
+
+def merge_states(target_z, m, s, w) -> LinearLogpOutput:
+    """Triton version of lockstep.kernels.logp.torch_merge_states (the same bits on a GPU)."""
+    logp, lse, entropy = _merge_op(target_z, m, s, w)
+    return LinearLogpOutput(logp, lse, entropy if w is not None else None)
