@@ -49,10 +49,9 @@ def measure(fn, warmup: int = 5, iters: int = 20) -> Measure:
     return Measure(sorted(times)[len(times) // 2], extra)
 
 
-def graph_ms_per_call(fn, calls: int = 10) -> float:
-    """Median milliseconds of one fn() call, replayed from a CUDA graph of `calls` back-to-back
-    calls: times the kernels rather than Python launch overhead (a decode-sized call takes a few
-    microseconds). Warm-up (compilation, library handles) runs off the capture stream."""
+def _graph_of(fn, calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` back-to-back fn() calls; warm-up (compilation, library handles) runs
+    off the capture stream first."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -63,9 +62,31 @@ def graph_ms_per_call(fn, calls: int = 10) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
+    return graph
+
+
+def graph_ms_per_call(fn, calls: int = 10) -> float:
+    """Median milliseconds of one fn() call, replayed from a CUDA graph of `calls` back-to-back
+    calls: times the kernels rather than Python launch overhead (a decode-sized call takes a few
+    microseconds)."""
+    graph = _graph_of(fn, calls)
     ms = measure(graph.replay).ms / calls
     del graph
     return ms
+
+
+def paired_graph_ms(baseline, ours, calls: int = 10, rounds: int = 5) -> tuple[float, float]:
+    """Milliseconds of one call of each side, as graph_ms_per_call times them, but measured in
+    `rounds` alternating turns (baseline, ours, baseline, ...) and the median turn of each side
+    kept: a drift of the GPU's clocks or of its neighbours during the measurement falls on both
+    sides instead of on whichever side happened to run then."""
+    graphs = _graph_of(baseline, calls), _graph_of(ours, calls)
+    turns: tuple[list, list] = ([], [])
+    for _ in range(rounds):
+        for graph, times in zip(graphs, turns):
+            times.append(measure(graph.replay, warmup=2, iters=10).ms / calls)
+    del graphs
+    return tuple(sorted(times)[rounds // 2] for times in turns)
 
 
 def markdown_table(title: str, columns: list[str], rows: list[list]) -> str:
