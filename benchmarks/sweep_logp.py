@@ -27,10 +27,8 @@ TL = replace(TABLE, warp_specialize=False)
 CANDIDATES = [
     ("table", WARPS, TABLE, WS),
     ("tl kernel", WARPS, TL, WS),
-    ("tl kernel, 6 stages", WARPS, replace(TL, num_stages=6), WS),
     ("ws, 2 ahead", WARPS, TABLE, (WS[0], 2)),
     ("ws, 4 ahead", WARPS, TABLE, (WS[0], 4)),
-    ("ws, 5 stages, 2 ahead", WARPS, TABLE, (5, 2)),
 ]
 H, V = 4096, 151936
 
