@@ -30,7 +30,8 @@
 #   attention   benchmarks/bench_attention.py (tables $ATTENTION_TABLES, default training,prefill,decode)
 #   sweep_attention benchmarks/sweep_attention.py (attention forward: tile, load schedule x stages, bitwise-checked;
 #               entries $SWEEP_ENTRIES, default decode,prefill)
-#   sweep_logp  benchmarks/sweep_logp.py (linear-logp row blocks at T = 128, 256, 4096 vs the bare GEMM)
+#   sweep_logp  benchmarks/sweep_logp.py (linear-logp kernels at T = 256, 4096 vs the bare GEMM)
+#   logp        benchmarks/bench_logp.py (kernels.py's linear-logp section alone)
 #   sweep_gemm_column benchmarks/sweep_gemm.py --column (tiles up to 256 rows, swapped ones too, on qkv and gate_up;
 #               bits checked against the table's kernel)
 #   sweep_gemm_large benchmarks/sweep_gemm.py --large (warp-specialised tiles vs the table at M = 256 .. 4096 on
@@ -115,6 +116,7 @@ for stage in "$@"; do
                > "$OUT/sweep_gemm_large.log" 2>&1; tail -40 "$OUT/sweep_gemm_large.log" ;;
     sweep_gemm_m) link_lockstep; timeout 330 python3 benchmarks/sweep_gemm.py --m "${GEMM_M:-128}" > "$OUT/sweep_gemm_m.log" 2>&1
              tail -8 "$OUT/sweep_gemm_m.log" ;;
+    logp)    link_lockstep; timeout 300 python3 benchmarks/bench_logp.py > "$OUT/logp.log" 2>&1; tail -30 "$OUT/logp.log" ;;
     kernels) link_lockstep; timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
     *)       echo "unknown stage $stage"; rc=2 ;;
   esac
