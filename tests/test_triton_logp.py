@@ -539,6 +539,11 @@ for mode, load in {"multiply": False, "load_z": True}.items():
 ce = dict(UPCAST=False, BLOCK_T=128, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_T=L.GROUP_T)
 out["store_z"] = compile_sm90(L._head_logits_kernel, lambda n: descs.get(n, "i32"), ce, L.BLOCK_T_WARPS[128],
                               cfg.num_stages)
+ce = dict(HAS_BIAS=True, HAS_TEMP=True, WITH_ENTROPY=True, UPCAST=False, BLOCK_T=128, BLOCK_V=cfg.block_v,
+          BLOCK_K=cfg.block_k, LOG2_V=cfg.block_v.bit_length() - 1, GROUP_T=L.GROUP_T)
+dl_descs = dict(descs, gs_ptr="*fp32", gw_ptr="*fp32", gt_ptr="*fp32", out_ptr="*bf16")
+out["dlogits"] = compile_sm90(L._dlogits_kernel, lambda n: dl_descs.get(n, "i32"), ce, L.BLOCK_T_WARPS[128],
+                              cfg.num_stages)
 from lockstep.kernels._triton import logp_ws
 from lockstep.kernels._triton.splitk_ws import gluon_layout
 ws_descs = dict(descs, h_desc=f"tensordesc<bf16[64, 64],{gluon_layout([64, 64])!r}>",
@@ -553,8 +558,9 @@ print(json.dumps(out))
 
 
 def test_chunk_state_kernel_variants_compile_for_sm90():
-    """Compiled for sm_90 (bf16, 128-row blocks): the multiplying chunk-state kernel and the
-    logit-storing kernel run wgmma without spills; the variant that folds stored logits keeps them
+    """Compiled for sm_90 (bf16, 128-row blocks, the table's stages): the multiplying chunk-state
+    kernel and the logit-storing kernel run wgmma without spills; every tl kernel, the backward's
+    included, fits its shared memory; the variant that folds stored logits keeps them
     in the accumulator's layout (a blocked tile spilled 19 KB and took minutes to compile); the
     warp-specialised Gluon kernel (logp_ws) splits into partitions and fits its shared memory."""
     from sm90 import probe
@@ -563,6 +569,9 @@ def test_chunk_state_kernel_variants_compile_for_sm90():
     assert {v for v, _ in r["multiply"]["mma"]} == {"3"} and r["multiply"]["spill_bytes"] == 0, r
     assert {v for v, _ in r["store_z"]["mma"]} == {"3"} and r["store_z"]["spill_bytes"] == 0, r
     assert r["load_z"]["spill_bytes"] <= 1024, r
+    # the table's stages fit a Hopper SM's 227 KiB of shared memory in every tl kernel (a launch
+    # past it fails with "out of resources")
+    assert all(r[k]["shared_bytes"] <= 227 * 1024 for k in ("multiply", "load_z", "store_z", "dlogits")), r
     # the warp-specialised kernel: a producer and consumer partitions, wgmma, its ring within a
     # Hopper SM's 227 KiB; entropy's second running sum costs a few spilled registers
     for key, spill in (("ws_entropy0", 0), ("ws_entropy1", 256)):

@@ -65,11 +65,13 @@ class TileConfig:
 
 
 TILE_CONFIGS = {
-    # 5 stages * (128 + 128) * 64 * 2 B = 160 KiB of operand buffers: one program per SM. Against 4
-    # stages (benchmarks/sweep_logp.py, H200, one call): 1.21x vs 1.40x the bare GEMM at T = 128,
-    # 1.12x vs 1.18x at 256, 1.12x vs 1.13x at 4,096.
-    torch.bfloat16: TileConfig(block_v=128, block_k=64, num_stages=5, warp_specialize=True),
-    torch.float16: TileConfig(block_v=128, block_k=64, num_stages=5, warp_specialize=True),
+    # 6 stages * (128 + 128) * 64 * 2 B = 192 KiB of operand buffers: one program per SM (every tl
+    # kernel here fits the 227 KiB at 128-row blocks, tests/test_triton_logp.py). benchmarks/
+    # sweep_logp.py, H200, the bare GEMM's time in alternating turns: 6 / 5 / 4 stages 1.13x /
+    # 1.28x / 1.46x at T = 128 (64-row blocks), 1.14x / 1.13x / 1.14x at 256, 1.11x / 1.11x / 1.12x
+    # at 4,096.
+    torch.bfloat16: TileConfig(block_v=128, block_k=64, num_stages=6, warp_specialize=True),
+    torch.float16: TileConfig(block_v=128, block_k=64, num_stages=6, warp_specialize=True),
     # fp32: tl.dot(input_precision="ieee") on FMA units, operands in registers: small tiles.
     torch.float32: TileConfig(block_v=32, block_k=32, num_stages=2),
 }
