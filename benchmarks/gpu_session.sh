@@ -30,7 +30,7 @@
 #   attention   benchmarks/bench_attention.py (tables $ATTENTION_TABLES, default training,prefill,decode)
 #   sweep_attention benchmarks/sweep_attention.py (attention forward: tile, load schedule x stages, bitwise-checked;
 #               entries $SWEEP_ENTRIES, default decode,prefill)
-#   sweep_logp  benchmarks/sweep_logp.py (linear-logp kernels at T = 256, 4096 vs the bare GEMM)
+#   sweep_logp  benchmarks/sweep_logp.py (linear-logp row blocks and stages at T = 128, 256, 4096 vs the bare GEMM)
 #   logp        benchmarks/bench_logp.py (kernels.py's linear-logp section alone)
 #   sweep_gemm_column benchmarks/sweep_gemm.py --column (tiles up to 256 rows, swapped ones too, on qkv and gate_up;
 #               bits checked against the table's kernel)

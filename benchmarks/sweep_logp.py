@@ -1,9 +1,8 @@
-"""Kernel and pipeline sweep for the fused linear-logp forward (bf16, H=4096, V=151936), against
+"""Row-block and pipeline sweep for the fused linear-logp forward (bf16, H=4096, V=151936), against
 the bare LM-head GEMM measured alongside. The row block and its warps decide only which program
-computes a row, the stages and the warp-specialised kernel's issue-ahead depth only when loads and
-MMAs run, and the warp-specialised kernel folds with the `tl` kernel's operations
-(kernels/_triton/logp.py, logp_ws.py): every candidate's output is checked bitwise against the
-table's before it is timed. Kernel time on both sides (CUDA-graph replays in alternating turns with
+computes a row, and the stages only how deep the loads run ahead, never a row's arithmetic
+(kernels/_triton/logp.py): every candidate's output is checked bitwise against the table's before
+it is timed. Kernel time on both sides (CUDA-graph replays in alternating turns with
 the GEMM, bench_logp.fwd_pair_ms).
 
     python benchmarks/sweep_logp.py
@@ -17,31 +16,28 @@ import torch
 from bench_logp import fwd_pair_ms
 import lockstep.kernels as K
 from lockstep.kernels._triton import logp as triton_logp
-from lockstep.kernels._triton import logp_ws
 
 TABLE = triton_logp.TILE_CONFIGS[torch.bfloat16]
 WARPS = dict(triton_logp.BLOCK_T_WARPS)
-WS = (logp_ws.STAGES, logp_ws.AHEAD)
-TL = replace(TABLE, warp_specialize=False)
-# (label, row blocks -> warps, tile config, (warp-specialised stages, issue-ahead)); the first: the table
+# (label, row blocks -> warps, tile config); the first: the table (its row block per T is _block_t's)
 CANDIDATES = [
-    ("table", WARPS, TABLE, WS),
-    ("tl kernel", WARPS, TL, WS),
-    ("ws, 2 ahead", WARPS, TABLE, (WS[0], 2)),
-    ("ws, 4 ahead", WARPS, TABLE, (WS[0], 4)),
+    ("table", WARPS, TABLE),
+    ("128-row blocks only", {128: 8}, TABLE),
+    ("64-row blocks only", {64: 4}, TABLE),
+    ("5 stages", WARPS, replace(TABLE, num_stages=5)),
+    ("4 stages", WARPS, replace(TABLE, num_stages=4)),
 ]
 H, V = 4096, 151936
 
 
-def _use(warps, cfg, ws) -> None:
+def _use(warps, cfg) -> None:
     triton_logp.BLOCK_T_WARPS, triton_logp.TILE_CONFIGS[torch.bfloat16] = warps, cfg
-    logp_ws.STAGES, logp_ws.AHEAD = ws
 
 
 def main() -> None:
     K.set_backend("triton")
     w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
-    for t in (256, 4096):  # (at 128 rows the table takes 64-row blocks: the tl kernel, not a candidate here)
+    for t in (128, 256, 4096):
         h = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
         tgt = torch.randint(0, V, (t,), device="cuda")
         _use(*CANDIDATES[0][1:])

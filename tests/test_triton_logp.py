@@ -8,7 +8,7 @@ equals the unsharded one bit for bit; the chunk states agree with the torch refe
 kernel agrees with the reference merge and follows its tree order; the custom ops pass opcheck.
 GPU tier (@pytest.mark.gpu, Qwen3's LM head in bf16): row 0 is the same bits at T = 1, 64 and 4096;
 logp, entropy and gradients agree with an fp32 computation; the merge kernel equals the torch merge
-bit for bit; the warp-specialised chunk-state kernel equals the tl kernels bit for bit.
+bit for bit.
 """
 import os
 import socket
@@ -417,45 +417,6 @@ def test_gpu_merge_kernel_equals_the_torch_merge_bitwise():
 
 
 @pytest.mark.gpu
-def test_gpu_warp_specialised_chunk_states_equal_the_tl_kernels(monkeypatch):
-    """The multiplying forward's Gluon kernel (logp_ws, the table's on Hopper) against the `tl`
-    kernel and against the fold of head_logits' stored products (the vLLM sampler's route): every
-    state bit for bit, with and without entropy, with a bias, per-row temperatures, a padded vocab
-    and a vocab shard, at 300 rows (three 128-row blocks, the last one partial)."""
-    from dataclasses import replace
-
-    module = _triton_logp_module()
-    hidden, weight, targets = _qwen3_head(300, seed=4)
-    width = logp_module.chunk_width(QWEN3_V)
-    table = module.TILE_CONFIGS[torch.bfloat16]
-    assert table.warp_specialize and module._warp_specialized(hidden)
-    bias = (torch.randn(QWEN3_V, device="cuda") * 0.1).bfloat16()
-    temperature = torch.rand(300, device="cuda") + 0.5
-    shard = slice(16 * width, 48 * width)  # chunks 16..47: a rank of TP 2, as its own weight rows
-    cases = [dict(weight=weight, vocab_start=0, real_vocab_size=QWEN3_V - 100, bias=None, temperature=temperature),
-             dict(weight=weight, vocab_start=0, real_vocab_size=QWEN3_V, bias=bias, temperature=None),
-             dict(weight=weight[shard].contiguous(), vocab_start=shard.start, real_vocab_size=QWEN3_V, bias=None,
-                  temperature=0.7)]
-
-    def states(kw, with_entropy, **extra):
-        return module.chunk_states(hidden, kw["weight"], targets, vocab_start=kw["vocab_start"], width=width,
-                                   real_vocab_size=kw["real_vocab_size"], bias=kw["bias"],
-                                   temperature=kw["temperature"], with_entropy=with_entropy, **extra)
-
-    for kw in cases:
-        for with_entropy in (False, True):
-            ws = states(kw, with_entropy)
-            monkeypatch.setitem(module.TILE_CONFIGS, torch.bfloat16, replace(table, warp_specialize=False))
-            plain = states(kw, with_entropy)
-            monkeypatch.setitem(module.TILE_CONFIGS, torch.bfloat16, table)
-            # head_logits' products, folded as the sampler's replay folds them
-            stored = states(kw, with_entropy, logits=module.head_logits(hidden, kw["weight"], width=width))
-            for other in (plain, stored):
-                assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(ws, other)), \
-                    (kw["vocab_start"], kw["real_vocab_size"], kw["bias"] is not None, with_entropy)
-
-
-@pytest.mark.gpu
 def test_gpu_accuracy_vs_fp32_qwen3():
     hidden, weight, targets = _qwen3_head(4096)
     out = K.linear_logp(hidden, weight, targets, with_entropy=True)
@@ -544,15 +505,6 @@ ce = dict(HAS_BIAS=True, HAS_TEMP=True, WITH_ENTROPY=True, UPCAST=False, BLOCK_T
 dl_descs = dict(descs, gs_ptr="*fp32", gw_ptr="*fp32", gt_ptr="*fp32", out_ptr="*bf16")
 out["dlogits"] = compile_sm90(L._dlogits_kernel, lambda n: dl_descs.get(n, "i32"), ce, L.BLOCK_T_WARPS[128],
                               cfg.num_stages)
-from lockstep.kernels._triton import logp_ws
-from lockstep.kernels._triton.splitk_ws import gluon_layout
-ws_descs = dict(descs, h_desc=f"tensordesc<bf16[64, 64],{gluon_layout([64, 64])!r}>",
-                w_desc=f"tensordesc<bf16[128, 64],{gluon_layout([128, 64])!r}>")
-for ent in (False, True):
-    ce = dict(HAS_BIAS=True, HAS_TEMP=True, WITH_ENTROPY=ent, LOG2_V=cfg.block_v.bit_length() - 1, GROUP_T=L.GROUP_T,
-              STAGES=logp_ws.STAGES, AHEAD=logp_ws.AHEAD)
-    out[f"ws_entropy{int(ent)}"] = compile_sm90(logp_ws._chunk_states_ws_kernel, lambda n: ws_descs.get(n, "i32"), ce,
-                                                4, 1)
 print(json.dumps(out))
 """
 
@@ -561,8 +513,7 @@ def test_chunk_state_kernel_variants_compile_for_sm90():
     """Compiled for sm_90 (bf16, 128-row blocks, the table's stages): the multiplying chunk-state
     kernel and the logit-storing kernel run wgmma without spills; every tl kernel, the backward's
     included, fits its shared memory; the variant that folds stored logits keeps them
-    in the accumulator's layout (a blocked tile spilled 19 KB and took minutes to compile); the
-    warp-specialised Gluon kernel (logp_ws) splits into partitions and fits its shared memory."""
+    in the accumulator's layout (a blocked tile spilled 19 KB and took minutes to compile)."""
     from sm90 import probe
 
     r = probe(_SM90_PROBE)
@@ -572,9 +523,3 @@ def test_chunk_state_kernel_variants_compile_for_sm90():
     # the table's stages fit a Hopper SM's 227 KiB of shared memory in every tl kernel (a launch
     # past it fails with "out of resources")
     assert all(r[k]["shared_bytes"] <= 227 * 1024 for k in ("multiply", "load_z", "store_z", "dlogits")), r
-    # the warp-specialised kernel: a producer and consumer partitions, wgmma, its ring within a
-    # Hopper SM's 227 KiB; entropy's second running sum costs a few spilled registers
-    for key, spill in (("ws_entropy0", 0), ("ws_entropy1", 256)):
-        ws = r[key]
-        assert ws["warp_specialized"] and {v for v, _ in ws["mma"]} == {"3"}, r
-        assert ws["spill_bytes"] <= spill and ws["shared_bytes"] <= 227 * 1024, r

@@ -40,7 +40,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
-from lockstep.kernels._triton import logp_ws
 from lockstep.kernels._triton._tma import aligned_empty
 from lockstep.kernels.logp import ChunkStates, LinearLogpOutput, torch_merge_states
 
@@ -58,10 +57,6 @@ class TileConfig:
     block_v: int  # vocab columns per tile (a power of two): the merge step of every chunk
     block_k: int  # hidden features per dot step: the K steps of every logit
     num_stages: int  # software-pipeline depth of the (tile, k) loop
-    # the multiplying forward on Hopper (sm_90) as logp_ws's warp-specialised Gluon kernel: 128-row
-    # blocks, each tile folded while the next one multiplies; the same bits (GPU tests). Elsewhere,
-    # and for the backward and the LOAD_Z fold, the `tl` kernels.
-    warp_specialize: bool = False
 
 
 TILE_CONFIGS = {
@@ -70,8 +65,8 @@ TILE_CONFIGS = {
     # sweep_logp.py, H200, the bare GEMM's time in alternating turns: 6 / 5 / 4 stages 1.13x /
     # 1.28x / 1.46x at T = 128 (64-row blocks), 1.14x / 1.13x / 1.14x at 256, 1.11x / 1.11x / 1.12x
     # at 4,096.
-    torch.bfloat16: TileConfig(block_v=128, block_k=64, num_stages=6, warp_specialize=True),
-    torch.float16: TileConfig(block_v=128, block_k=64, num_stages=6, warp_specialize=True),
+    torch.bfloat16: TileConfig(block_v=128, block_k=64, num_stages=6),
+    torch.float16: TileConfig(block_v=128, block_k=64, num_stages=6),
     # fp32: tl.dot(input_precision="ieee") on FMA units, operands in registers: small tiles.
     torch.float32: TileConfig(block_v=32, block_k=32, num_stages=2),
 }
@@ -417,14 +412,6 @@ def _launch(kernel, hidden, weight, args: dict, n_col_tiles: int, **outputs) -> 
         h_desc, w_desc, **args, **outputs, BLOCK_T=block_t, num_warps=BLOCK_T_WARPS[block_t])
 
 
-def _warp_specialized(hidden: torch.Tensor) -> bool:
-    """Whether the multiplying forward of these rows takes logp_ws's kernel (TileConfig.warp_specialize)."""
-    cfg = TILE_CONFIGS[hidden.dtype]
-    return (cfg.warp_specialize and not INTERPRETING and hidden.is_cuda
-            and torch.cuda.get_device_capability(hidden.device)[0] == 9
-            and triton.cdiv(hidden.shape[1], cfg.block_k) >= logp_ws.AHEAD)
-
-
 def _forward(hidden, weight, targets, bias, temperature, vocab_start, width, real_vocab_size, with_entropy,
              logits=None):
     T, n = hidden.shape[0], triton.cdiv(weight.shape[0], width)
@@ -434,16 +421,10 @@ def _forward(hidden, weight, targets, bias, temperature, vocab_start, width, rea
     if T:
         args = _launch_args(hidden, weight, targets, bias, temperature, width=width, vocab_start=vocab_start,
                             real_vocab_size=real_vocab_size, with_entropy=with_entropy)
-        # (the Gluon kernel's blocks are 128 rows: where 64-row blocks fill the machine better, the tl kernel)
-        if logits is None and _warp_specialized(hidden) and _block_t(T, n, hidden.device) == 2 * logp_ws.HALF:
-            args.pop("num_stages")
-            logp_ws.chunk_states_ws(_tma_rows(hidden), _tma_rows(weight), args, m_ptr=m, s_ptr=s, ent_ptr=w,
-                                    tz_ptr=target_z)
-        else:
-            z = logits.contiguous() if logits is not None else target_z
-            _launch(_chunk_states_kernel, _tma_rows(hidden), _tma_rows(weight), args, n,
-                    m_ptr=m, s_ptr=s, ent_ptr=w, tz_ptr=target_z, z_ptr=z, stride_z=z.stride(0),
-                    LOAD_Z=logits is not None)
+        z = logits.contiguous() if logits is not None else target_z
+        _launch(_chunk_states_kernel, _tma_rows(hidden), _tma_rows(weight), args, n,
+                m_ptr=m, s_ptr=s, ent_ptr=w, tz_ptr=target_z, z_ptr=z, stride_z=z.stride(0),
+                LOAD_Z=logits is not None)
     return m, s, w, target_z
 
 
