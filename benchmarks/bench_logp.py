@@ -108,7 +108,7 @@ def logp_table() -> str:
 def shard_table() -> str:
     rows = []
     for tp in TP_SIZES:
-        local = VOCAB // tp  # whole 4748-column chunks: 32 / tp of them
+        local = VOCAB // tp  # whole 2374-column chunks: 64 / tp of them
         hidden, weight, targets = _inputs(SHARD_TOKENS, local)
         # one rank's part of a sharded call: its chunks' states and their merge (no all-gather)
         gemm, ours = fwd_pair_ms(lambda: torch.matmul(hidden, weight.t()),
