@@ -1,14 +1,15 @@
 """Row-block and pipeline sweep for the fused linear-logp forward (bf16, H=4096, V=151936), against
 the bare LM-head GEMM measured alongside. The row block and its warps decide only which program
-computes a row, and the stages only how deep the loads run ahead, never a row's arithmetic
-(kernels/_triton/logp.py): every candidate's output is checked bitwise against the table's before
-it is timed. Kernel time on both sides (CUDA-graph replays in alternating turns with
-the GEMM, bench_logp.fwd_pair_ms).
+computes a row, the stages only how deep the loads run ahead, and GROUP_T only which programs run
+side by side, never a row's arithmetic (kernels/_triton/logp.py): every candidate's output is
+checked bitwise against the table's before it is timed. Kernel time on both sides (CUDA-graph
+replays in alternating turns with the GEMM, bench_logp.fwd_pair_ms).
 
-    python benchmarks/sweep_logp.py
+    python benchmarks/sweep_logp.py     # SWEEP_T=256,4096: other token counts (default 128,256,4096)
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
@@ -19,25 +20,28 @@ from lockstep.kernels._triton import logp as triton_logp
 
 TABLE = triton_logp.TILE_CONFIGS[torch.bfloat16]
 WARPS = dict(triton_logp.BLOCK_T_WARPS)
-# (label, row blocks -> warps, tile config); the first: the table (its row block per T is _block_t's)
+GROUP_T = triton_logp.GROUP_T
+# (label, row blocks -> warps, tile config, row blocks that sweep the vocab together); the first:
+# the table (its row block per T is _block_t's)
 CANDIDATES = [
-    ("table", WARPS, TABLE),
-    ("128-row blocks only", {128: 8}, TABLE),
-    ("64-row blocks only", {64: 4}, TABLE),
-    ("5 stages", WARPS, replace(TABLE, num_stages=5)),
-    ("4 stages", WARPS, replace(TABLE, num_stages=4)),
+    ("table", WARPS, TABLE, GROUP_T),
+    ("GROUP_T 8", WARPS, TABLE, 8),
+    ("GROUP_T 24", WARPS, TABLE, 24),
+    ("GROUP_T 32", WARPS, TABLE, 32),
+    ("256-row blocks, 16 warps, 4 stages", {256: 16}, replace(TABLE, num_stages=4), GROUP_T),
+    ("256-row blocks, 16 warps, 3 stages", {256: 16}, replace(TABLE, num_stages=3), GROUP_T),
 ]
 H, V = 4096, 151936
 
 
-def _use(warps, cfg) -> None:
-    triton_logp.BLOCK_T_WARPS, triton_logp.TILE_CONFIGS[torch.bfloat16] = warps, cfg
+def _use(warps, cfg, group_t) -> None:
+    triton_logp.BLOCK_T_WARPS, triton_logp.TILE_CONFIGS[torch.bfloat16], triton_logp.GROUP_T = warps, cfg, group_t
 
 
 def main() -> None:
     K.set_backend("triton")
     w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
-    for t in (128, 256, 4096):
+    for t in [int(t) for t in os.environ.get("SWEEP_T", "128,256,4096").split(",")]:
         h = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
         tgt = torch.randint(0, V, (t,), device="cuda")
         _use(*CANDIDATES[0][1:])

@@ -79,7 +79,11 @@ TILE_CONFIGS = {
 # (an instruction whose rounding has not been checked to be the same).
 BLOCK_T_WARPS = {128: 8, 64: 4}
 MIN_WAVE_FILL = 0.7
-GROUP_T = 8  # row blocks that sweep the vocab together: their weight tiles are shared in L2
+# Row blocks that sweep the vocab together: their weight tiles are shared in L2. benchmarks/
+# sweep_logp.py, H200, T = 4,096 (32 row blocks), four alternating-turn timings over two calls:
+# 8 / 16 / 24 / 32 -> 1.106-1.112x / 1.096-1.102x / 1.112x / 1.150x the bare GEMM. (At T <= 256
+# there are at most two row blocks: no effect.)
+GROUP_T = 16
 # The backward holds the dlogits of one slice of whole chunks: at most BACKWARD_SLICE_CHUNKS chunks
 # (a quarter of the vocab: ~2 bytes per logit against the naive path's ~18, at any T) and at most
 # BACKWARD_SLICE_BYTES (but at least one chunk). Fewer, larger slices mean fewer passes over the
