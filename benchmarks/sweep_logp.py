@@ -1,16 +1,17 @@
 """Row-block and pipeline sweep for the fused linear-logp forward (bf16, H=4096, V=151936), against
 the bare LM-head GEMM measured alongside. The row block and its warps decide only which program
-computes a row, the stages only how deep the loads run ahead, and GROUP_T only which programs run
-side by side, never a row's arithmetic (kernels/_triton/logp.py): every candidate's output is
-checked bitwise against the table's before it is timed. Kernel time on both sides (CUDA-graph
+computes a row, the stages only how deep the loads run ahead, GROUP_T only which programs run
+side by side, and the warp-specialised Gluon forward (WS_FORWARD, WS_STAGES) only how the same
+dots and folds are scheduled, never a row's arithmetic (kernels/_triton/logp.py): every
+candidate's output is checked bitwise against the tl kernel's (the first candidate) before it is
+timed. Kernel time on both sides (CUDA-graph
 replays in alternating turns with the GEMM, bench_logp.fwd_pair_ms).
 
-    python benchmarks/sweep_logp.py     # SWEEP_T=256,4096: other token counts (default 128,256,4096)
+    python benchmarks/sweep_logp.py     # SWEEP_T=256,4096: other token counts (default 256,4096)
 """
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import torch
 
@@ -21,27 +22,27 @@ from lockstep.kernels._triton import logp as triton_logp
 TABLE = triton_logp.TILE_CONFIGS[torch.bfloat16]
 WARPS = dict(triton_logp.BLOCK_T_WARPS)
 GROUP_T = triton_logp.GROUP_T
-# (label, row blocks -> warps, tile config, row blocks that sweep the vocab together); the first:
-# the table (its row block per T is _block_t's)
+# (label, row blocks -> warps, tile config, row blocks that sweep the vocab together, Gluon forward's
+# stages or 0 for the tl kernel); the first: the tl kernel, its row block per T _block_t's
 CANDIDATES = [
-    ("table", WARPS, TABLE, GROUP_T),
-    ("GROUP_T 8", WARPS, TABLE, 8),
-    ("GROUP_T 24", WARPS, TABLE, 24),
-    ("GROUP_T 32", WARPS, TABLE, 32),
-    ("256-row blocks, 16 warps, 4 stages", {256: 16}, replace(TABLE, num_stages=4), GROUP_T),
-    ("256-row blocks, 16 warps, 3 stages", {256: 16}, replace(TABLE, num_stages=3), GROUP_T),
+    ("tl kernel", WARPS, TABLE, GROUP_T, 0),
+    ("Gluon, 6 stages", WARPS, TABLE, GROUP_T, 6),
+    ("Gluon, 5 stages", WARPS, TABLE, GROUP_T, 5),
+    ("Gluon, 4 stages", WARPS, TABLE, GROUP_T, 4),
+    ("Gluon, 6 stages, GROUP_T 8", WARPS, TABLE, 8, 6),
 ]
 H, V = 4096, 151936
 
 
-def _use(warps, cfg, group_t) -> None:
+def _use(warps, cfg, group_t, ws_stages) -> None:
     triton_logp.BLOCK_T_WARPS, triton_logp.TILE_CONFIGS[torch.bfloat16], triton_logp.GROUP_T = warps, cfg, group_t
+    triton_logp.WS_FORWARD, triton_logp.WS_STAGES = ws_stages > 0, ws_stages or triton_logp.WS_STAGES
 
 
 def main() -> None:
     K.set_backend("triton")
     w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
-    for t in [int(t) for t in os.environ.get("SWEEP_T", "128,256,4096").split(",")]:
+    for t in [int(t) for t in os.environ.get("SWEEP_T", "256,4096").split(",")]:
         h = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
         tgt = torch.randint(0, V, (t,), device="cuda")
         _use(*CANDIDATES[0][1:])
@@ -50,7 +51,7 @@ def main() -> None:
             _use(*setting)
             got = K.linear_logp(h, w, tgt, with_entropy=True, temperature=0.7)
             if not all(torch.equal(a, b) for a, b in zip(got, ref)):
-                print(f"T={t} {label}: BITS DIFFER from the table's", flush=True)
+                print(f"T={t} {label}: BITS DIFFER from the tl kernel's", flush=True)
                 continue
             gemm, ms = fwd_pair_ms(lambda: h @ w.t(), lambda: K.linear_logp(h, w, tgt))
             print(f"T={t} {label}: {ms:.3f} ms = {ms / gemm:.3f}x bare GEMM ({gemm:.3f} ms)", flush=True)

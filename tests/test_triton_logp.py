@@ -440,6 +440,44 @@ def test_gpu_gradients_vs_fp32_qwen3():
 
 
 @pytest.mark.gpu
+def test_gpu_warp_specialized_forward_gives_the_tl_kernels_bits(monkeypatch):
+    """The Gluon forward (WS_FORWARD) and the tl kernel give the same chunk states, bit for bit:
+    row-block tails (T = 300), chunks ending inside a tile, a K tail (H = 1,000), a TP shard's
+    vocab_start with padded columns past the real vocab, targets in and out of the shard, a bias,
+    temperatures and entropy; and on Qwen3's head at T = 256 and 4,096. Each case is checked to
+    take the Gluon route, so the comparison cannot be the tl kernel against itself."""
+    triton_logp = _triton_logp_module()
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialised forward is Hopper's (wgmma)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cases = []
+    for t, h, v, start, real, bias, temp, ent in [(300, 1000, 9000, 9000, 17000, True, 0.7, True),
+                                                   (256, 1000, 9000, 0, 8990, False, None, False),
+                                                   (129, 512, 9000, 0, 9000, False, 1.3, True)]:
+        hidden = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+        weight = (torch.randn(v, h, device="cuda", generator=g) * 0.05).bfloat16()
+        targets = torch.randint(max(0, start - 500), start + v + 500, (t,), device="cuda", generator=g)
+        kw = dict(vocab_start=start, width=logp_module.chunk_width(v), real_vocab_size=real,
+                  bias=torch.randn(v, device="cuda", generator=g).bfloat16() if bias else None, temperature=temp,
+                  with_entropy=ent)
+        cases.append((hidden, weight, targets, kw))
+    for t in (256, 4096):
+        hidden, weight, targets = _qwen3_head(t, seed=t)
+        cases.append((hidden, weight, targets, dict(vocab_start=0, width=logp_module.chunk_width(QWEN3_V),
+                                                    real_vocab_size=QWEN3_V, bias=None, temperature=0.8,
+                                                    with_entropy=True)))
+    for hidden, weight, targets, kw in cases:
+        n_chunks = -(-weight.shape[0] // kw["width"])
+        monkeypatch.setattr(triton_logp, "WS_FORWARD", True)
+        assert triton_logp._warp_specialized(hidden, n_chunks), (hidden.shape, n_chunks)
+        gluon = triton_logp.chunk_states(hidden, weight, targets, **kw)
+        monkeypatch.setattr(triton_logp, "WS_FORWARD", False)
+        tl_kernel = triton_logp.chunk_states(hidden, weight, targets, **kw)
+        for a, b in zip(gluon, tl_kernel):
+            assert (a is None and b is None) or torch.equal(a, b), (hidden.shape, kw)
+
+
+@pytest.mark.gpu
 def test_linear_logp_is_captured_in_a_cuda_graph():
     """No host sync inside linear_logp: a CUDA graph captures it, and its replays on new inputs (the
     static buffers refilled) give the eager bits."""
@@ -505,6 +543,16 @@ ce = dict(HAS_BIAS=True, HAS_TEMP=True, WITH_ENTROPY=True, UPCAST=False, BLOCK_T
 dl_descs = dict(descs, gs_ptr="*fp32", gw_ptr="*fp32", gt_ptr="*fp32", out_ptr="*bf16")
 out["dlogits"] = compile_sm90(L._dlogits_kernel, lambda n: dl_descs.get(n, "i32"), ce, L.BLOCK_T_WARPS[128],
                               cfg.num_stages)
+# the warp-specialised forward as _launch_ws launches it (without and with every option)
+from lockstep.kernels._triton.splitk_ws import gluon_layout
+ws_descs = dict(descs, h_desc=f"tensordesc<bf16[{L.HALF}, 64],{gluon_layout([L.HALF, 64])!r}>",
+                w_desc=f"tensordesc<bf16[{L.WS_BLOCK_V}, 64],{gluon_layout([L.WS_BLOCK_V, 64])!r}>")
+for on in (False, True):
+    ce = dict(HAS_BIAS=on, HAS_TEMP=on, WITH_ENTROPY=on, LOG2_V=cfg.block_v.bit_length() - 1, GROUP_T=L.GROUP_T,
+              STAGES=L.WS_STAGES)
+    if not on:
+        ce.update(b_ptr=None, temp_ptr=None)
+    out[f"ws_{on}"] = compile_sm90(L._chunk_states_ws_kernel, lambda n: ws_descs.get(n, "i32"), ce, 4, 1)
 print(json.dumps(out))
 """
 
@@ -520,6 +568,11 @@ def test_chunk_state_kernel_variants_compile_for_sm90():
     assert {v for v, _ in r["multiply"]["mma"]} == {"3"} and r["multiply"]["spill_bytes"] == 0, r
     assert {v for v, _ in r["store_z"]["mma"]} == {"3"} and r["store_z"]["spill_bytes"] == 0, r
     assert r["load_z"]["spill_bytes"] <= 1024, r
-    # the table's stages fit a Hopper SM's 227 KiB of shared memory in every tl kernel (a launch
-    # past it fails with "out of resources")
-    assert all(r[k]["shared_bytes"] <= 227 * 1024 for k in ("multiply", "load_z", "store_z", "dlogits")), r
+    # the table's stages fit a Hopper SM's 227 KiB of shared memory in every kernel (a launch past
+    # it fails with "out of resources"), WS_STAGES in the Gluon forward's
+    assert all(r[k]["shared_bytes"] <= 227 * 1024 for k in ("multiply", "load_z", "store_z", "dlogits", "ws_False",
+                                                            "ws_True")), r
+    # the Gluon forward: wgmma's m64n128 steps (tl.dot's at 128-row blocks), warp-specialised, no spill
+    for on in (False, True):
+        ws = r[f"ws_{on}"]
+        assert ws["mma"] == [["3", "[16, 128, 16]"]] and ws["warp_specialized"] and ws["spill_bytes"] == 0, r

@@ -37,10 +37,15 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
 from lockstep.kernels._triton._tma import aligned_empty
+from lockstep.kernels._triton.splitk_ws import (CONSUMER_REGISTERS, HALF, PRODUCER_REGISTERS, SHARED_BYTES,
+                                                gluon_descriptor)
 from lockstep.kernels.logp import ChunkStates, LinearLogpOutput, torch_merge_states
 
 # ------------------------------------------------------------------------------------------------
@@ -84,6 +89,13 @@ MIN_WAVE_FILL = 0.7
 # 8 / 16 / 24 / 32 -> 1.106-1.112x / 1.096-1.102x / 1.112x / 1.150x the bare GEMM. (At T <= 256
 # there are at most two row blocks: no effect.)
 GROUP_T = 16
+# The forward at 128-row blocks of 16-bit operands on Hopper runs _chunk_states_ws_kernel: the same
+# tiles, products and fold as _chunk_states_kernel (checked bitwise on an H200, tests/
+# test_triton_logp.py), scheduled in Gluon as a producer warp issuing the TMA loads into a
+# WS_STAGES-deep ring and two consumer warpgroups of 64 rows, each multiplying and folding its
+# rows, persistent over (row block, chunk) items. False: the tl kernel everywhere.
+WS_FORWARD = True
+WS_STAGES = 6
 # The backward holds the dlogits of one slice of whole chunks: at most BACKWARD_SLICE_CHUNKS chunks
 # (a quarter of the vocab: ~2 bytes per logit against the naive path's ~18, at any T) and at most
 # BACKWARD_SLICE_BYTES (but at least one chunk). Fewer, larger slices mean fewer passes over the
@@ -148,12 +160,22 @@ def _logits(h_desc, w_desc, b_ptr, z_ptr, stride_z, inv_temp, row0, rows, row_ok
         z = tl.dot(zeros_h, zeros_w, z, input_precision="ieee")
     else:
         z = _dot_tile(h_desc, w_desc, row0, col0, H, BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
+    z, valid = _scaled_logits(z, cols, b_ptr, inv_temp, hi, V_local, vocab_start, real_vocab_size, HAS_BIAS, HAS_TEMP)
+    return z, cols, valid
+
+
+@triton.jit
+def _scaled_logits(z, cols, b_ptr, inv_temp, hi, V_local, vocab_start, real_vocab_size, HAS_BIAS: tl.constexpr,
+                   HAS_TEMP: tl.constexpr):
+    """A tile of products z [rows, cols] -> (z + bias) * (1 / temperature), -inf at columns past the
+    chunk end `hi` or at/after real_vocab_size; and which columns are valid. (Written in tl and
+    called from the Gluon kernel too: every forward folds the same expression.)"""
     if HAS_BIAS:
         z += tl.load(b_ptr + cols, mask=cols < V_local, other=0.0).to(tl.float32)[None, :]
     if HAS_TEMP:
         z *= inv_temp[:, None]
     valid = (cols < hi) & (vocab_start + cols < real_vocab_size)
-    return tl.where(valid[None, :], z, float("-inf")), cols, valid
+    return tl.where(valid[None, :], z, float("-inf")), valid
 
 
 @triton.jit
@@ -175,17 +197,28 @@ def _tree_sum(x, LOG2_N: tl.constexpr):
 
 
 @triton.jit
-def _merge_tile(m, s, w, z, valid, WITH_ENTROPY: tl.constexpr, LOG2_V: tl.constexpr):
+def _fold_tile(m, s, w, tz, z, cols, valid, target, WITH_ENTROPY: tl.constexpr, LOG2_V: tl.constexpr,
+               TREE_SUM: tl.constexpr):
+    """The chunk-state kernels' step per tile (tl's and the Gluon one's): the target's logit into
+    tz (plus exact zeros: the same value in any summation order), then _merge_tile."""
+    tz += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
+    m, s, w = _merge_tile(m, s, w, z, valid, WITH_ENTROPY, LOG2_V, TREE_SUM)
+    return m, s, w, tz
+
+
+@triton.jit
+def _merge_tile(m, s, w, z, valid, WITH_ENTROPY: tl.constexpr, LOG2_V: tl.constexpr, TREE_SUM: tl.constexpr):
     """Fold one tile of z into each row's running (max, sum exp(z - max), sum exp(z - max) * z).
     While a row has seen only -inf its max stays -inf and exp is taken against 0 instead, so
-    nothing becomes NaN (the reference's `_safe`)."""
+    nothing becomes NaN (the reference's `_safe`). TREE_SUM: _tree_sum, or in the Gluon kernel
+    _ws_tree_sum (the same sums, its result in the rows' layout)."""
     m_new = tl.maximum(m, tl.max(z, axis=1))
     base = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - base)
     p = tl.exp(z - base[:, None])
-    s = s * alpha + _tree_sum(p, LOG2_V)
+    s = s * alpha + TREE_SUM(p, LOG2_V)
     if WITH_ENTROPY:
-        w = w * alpha + _tree_sum(p * tl.where(valid[None, :], z, 0.0), LOG2_V)
+        w = w * alpha + TREE_SUM(p * tl.where(valid[None, :], z, 0.0), LOG2_V)
     return m_new, s, w
 
 
@@ -195,14 +228,21 @@ def _row_inputs(temp_ptr, tgt_ptr, row_block, T, vocab_start, HAS_TEMP: tl.const
     columns (int32: a local column always fits, and the per-logit compare stays one instruction)."""
     rows = row_block * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
+    inv_temp, target = _row_values(temp_ptr, tgt_ptr, rows, row_ok, vocab_start, HAS_TEMP)
+    return rows, row_ok, inv_temp, target
+
+
+@triton.jit
+def _row_values(temp_ptr, tgt_ptr, rows, row_ok, vocab_start, HAS_TEMP: tl.constexpr):
+    """1 / the rows' temperatures and their targets as local columns (also the Gluon kernel's)."""
     # compiled Triton cannot return None from a jit function: without a temperature the reciprocal
     # is a (never used) 1.0, and HAS_TEMP keeps the multiply out of the kernel
     if HAS_TEMP:
         inv_temp = tl.math.div_rn(1.0, tl.load(temp_ptr + rows, mask=row_ok, other=1.0))
     else:
-        inv_temp = tl.full((BLOCK_T,), 1.0, tl.float32)
+        inv_temp = tl.where(row_ok, 1.0, 1.0)
     target = (tl.load(tgt_ptr + rows, mask=row_ok, other=-1) - vocab_start).to(tl.int32)
-    return rows, row_ok, inv_temp, target
+    return inv_temp, target
 
 
 # T and vocab_start are not specialised: T == 1 or T % 16 == 0 (or a rank's vocab_start) would
@@ -230,9 +270,15 @@ def _chunk_states_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr,
         z, cols, valid = _logits(h_desc, w_desc, b_ptr, z_ptr, stride_z, inv_temp, row_block * BLOCK_T, rows, row_ok,
                                  c0, hi, V_local, H, vocab_start, real_vocab_size, HAS_BIAS, HAS_TEMP, LOAD_Z,
                                  BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
-        # the target's logit plus exact zeros: the same value in any summation order
-        tz += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
-        m, s, w = _merge_tile(m, s, w, z, valid, WITH_ENTROPY, LOG2_V)
+        m, s, w, tz = _fold_tile(m, s, w, tz, z, cols, valid, target, WITH_ENTROPY, LOG2_V, _tree_sum)
+    _store_states(m_ptr, s_ptr, ent_ptr, tz_ptr, m, s, w, tz, rows, row_ok, target, chunk, n_chunks, lo, hi, V_local,
+                  WITH_ENTROPY)
+
+
+@triton.jit
+def _store_states(m_ptr, s_ptr, ent_ptr, tz_ptr, m, s, w, tz, rows, row_ok, target, chunk, n_chunks, lo, hi, V_local,
+                  WITH_ENTROPY: tl.constexpr):
+    """A (row block, chunk)'s states into [T, n_chunks], and the target logits (also the Gluon kernel's)."""
     at = rows * n_chunks + chunk
     tl.store(m_ptr + at, m, mask=row_ok)
     tl.store(s_ptr + at, s, mask=row_ok)
@@ -243,6 +289,150 @@ def _chunk_states_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr,
     local = (target >= 0) & (target < V_local)
     writes = tl.where(local, (target >= lo) & (target < hi), chunk == 0)
     tl.store(tz_ptr + rows, tl.where(local, tz, 0.0), mask=row_ok & writes)
+
+
+# A consumer warpgroup's [64, 128] fp32 tile: wgmma's accumulator (m64n128k16 steps, as tl.dot's).
+WS_BLOCK_V = 128
+_WS_ACC_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, WS_BLOCK_V, 16]))
+# The last eight partial sums of each row of a consumer's [64, 128] tile in every thread of the
+# row's quad (rows 0/8 a thread, 8 per warp, 16 per warp): the tree's last three levels, whose pairs the
+# wgmma layout spreads over the quad, then add inside each thread (Triton's tl kernel converts its
+# tile the same way before those levels).
+WS_LAST_COLUMNS = 8
+_WS_ROW_QUAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[HALF, WS_LAST_COLUMNS]))
+
+
+@gluon.jit
+def _ws_tree_sum(x, LOG2_N: gl.constexpr):
+    """_tree_sum of a consumer's tile (the same sums): the levels whose pairs lie in one thread,
+    then the last eight columns gathered into each thread of the row's quad, and the rest."""
+    for _ in gl.static_range(LOG2_N - 3):
+        first, second = _halves(x)
+        x = first + second
+    x = _tree_sum(gl.convert_layout(x, _WS_ROW_QUAD), 3)
+    return gl.convert_layout(x, gl.SliceLayout(1, _WS_ACC_LAYOUT), assert_trivial=True)
+
+
+@gluon.jit
+def _ws_item(local, pid, num_programs, n_row_blocks, n_chunks, GROUP_T: gl.constexpr):
+    """(row block, chunk) of this persistent program's `local`-th item, in _program_tile's order."""
+    item = pid + local * num_programs
+    per_group = GROUP_T * n_chunks
+    first = (item // per_group) * GROUP_T
+    size = gl.minimum(n_row_blocks - first, GROUP_T)
+    idx = item % per_group
+    return first + idx % size, idx // size
+
+
+@gluon.jit
+def _ws_producer(h_desc, w_desc, h0_smem, h1_smem, w_smem, ready, empty, my_items, pid, num_programs, n_row_blocks,
+                 n_chunks, width, V_local, H, GROUP_T: gl.constexpr, STAGES: gl.constexpr):
+    """Every (item, tile, k step) of the program in order: the TMA loads of the row block's two
+    64-row halves and the tile's weight rows into a STAGES-deep ring, waiting only for a free slot."""
+    HALF_ROWS: gl.constexpr = h_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = h_desc.block_type.shape[1]
+    BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
+    t = 0
+    for local in range(my_items):
+        row_block, chunk = _ws_item(local, pid, num_programs, n_row_blocks, n_chunks, GROUP_T)
+        lo = chunk * width
+        hi = gl.minimum(lo + width, V_local)
+        for c0 in range(lo, hi, BLOCK_V):
+            for k in range(0, H, BLOCK_K):
+                s = t % STAGES
+                # a slot is free once both consumers released it (its first use passes at once)
+                mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, 2 * h_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(h_desc, [row_block * 2 * HALF_ROWS, k], bar, h0_smem.index(s))
+                tma.async_copy_global_to_shared(h_desc, [row_block * 2 * HALF_ROWS + HALF_ROWS, k], bar,
+                                                h1_smem.index(s))
+                tma.async_copy_global_to_shared(w_desc, [c0, k], bar, w_smem.index(s))
+                t += 1
+
+
+@gluon.jit
+def _ws_consumer(h_smem, w_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr, T, H,
+                 V_local, n_chunks, width, vocab_start, real_vocab_size, my_items, pid, num_programs, n_row_blocks,
+                 ROW_HALF: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_TEMP: gl.constexpr, WITH_ENTROPY: gl.constexpr,
+                 LOG2_V: gl.constexpr, GROUP_T: gl.constexpr, STAGES: gl.constexpr, HALF_ROWS: gl.constexpr,
+                 BLOCK_V: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Rows ROW_HALF * HALF_ROWS .. + HALF_ROWS of every item: per tile, the products in ascending k
+    (one wgmma a step from a zero accumulator, as tl.dot's), then _scaled_logits and _fold_tile,
+    the tl kernel's own functions; the states out with _store_states."""
+    row_layout: gl.constexpr = gl.SliceLayout(1, _WS_ACC_LAYOUT)
+    col_layout: gl.constexpr = gl.SliceLayout(0, _WS_ACC_LAYOUT)
+    acc = gl.zeros([HALF_ROWS, BLOCK_V], gl.float32, _WS_ACC_LAYOUT)
+    t = 0
+    for local in range(my_items):
+        row_block, chunk = _ws_item(local, pid, num_programs, n_row_blocks, n_chunks, GROUP_T)
+        rows = row_block * 2 * HALF_ROWS + ROW_HALF * HALF_ROWS + gl.arange(0, HALF_ROWS, layout=row_layout)
+        row_ok = rows < T
+        inv_temp, target = _row_values(temp_ptr, tgt_ptr, rows, row_ok, vocab_start, HAS_TEMP)
+        lo = chunk * width
+        hi = gl.minimum(lo + width, V_local)
+        m = gl.full([HALF_ROWS], float("-inf"), gl.float32, row_layout)
+        s = gl.zeros([HALF_ROWS], gl.float32, row_layout)
+        w = gl.zeros([HALF_ROWS], gl.float32, row_layout)
+        tz = gl.zeros([HALF_ROWS], gl.float32, row_layout)
+        for c0 in range(lo, hi, BLOCK_V):  # the chunk's tiles in increasing column order
+            for k in range(0, H, BLOCK_K):
+                st = t % STAGES
+                mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+                acc = warpgroup_mma(h_smem.index(st), w_smem.index(st).permute((1, 0)), acc, use_acc=k > 0,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(st), count=1)
+                t += 1
+            cols = c0 + gl.arange(0, BLOCK_V, layout=col_layout)
+            z, valid = _scaled_logits(acc, cols, b_ptr, inv_temp, hi, V_local, vocab_start, real_vocab_size, HAS_BIAS,
+                                      HAS_TEMP)
+            m, s, w, tz = _fold_tile(m, s, w, tz, z, cols, valid, target, WITH_ENTROPY, LOG2_V, _ws_tree_sum)
+        _store_states(m_ptr, s_ptr, ent_ptr, tz_ptr, m, s, w, tz, rows, row_ok, target, chunk, n_chunks, lo, hi,
+                      V_local, WITH_ENTROPY)
+
+
+# T and vocab_start are not specialised, as in _chunk_states_kernel.
+@gluon.jit(do_not_specialize=["T", "vocab_start"])
+def _chunk_states_ws_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr, T, H, V_local,
+                            n_chunks, width, vocab_start, real_vocab_size, num_programs, HAS_BIAS: gl.constexpr,
+                            HAS_TEMP: gl.constexpr, WITH_ENTROPY: gl.constexpr, LOG2_V: gl.constexpr,
+                            GROUP_T: gl.constexpr, STAGES: gl.constexpr):
+    """_chunk_states_kernel's forward at 128-row blocks, warp-specialised (see WS_FORWARD): a
+    producer warp and two consumer warpgroups of 64 rows, persistent over (row block, chunk) items."""
+    HALF_ROWS: gl.constexpr = h_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = h_desc.block_type.shape[1]
+    BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
+    pid = gl.program_id(0)
+    n_row_blocks = gl.cdiv(T, 2 * HALF_ROWS)
+    my_items = (n_row_blocks * n_chunks - pid + num_programs - 1) // num_programs
+    h0_smem = gl.allocate_shared_memory(h_desc.dtype, [STAGES, HALF_ROWS, BLOCK_K], h_desc.layout)
+    h1_smem = gl.allocate_shared_memory(h_desc.dtype, [STAGES, HALF_ROWS, BLOCK_K], h_desc.layout)
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_V, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    # (the argument tuples are written out in the call: a tuple variable loses their constexprs)
+    gl.warp_specialize([
+        (_ws_consumer, (h0_smem, w_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr, T, H,
+                        V_local, n_chunks, width, vocab_start, real_vocab_size, my_items, pid, num_programs,
+                        n_row_blocks, 0, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V, GROUP_T, STAGES, HALF_ROWS,
+                        BLOCK_V, BLOCK_K)),
+        (_ws_consumer, (h1_smem, w_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr, T, H,
+                        V_local, n_chunks, width, vocab_start, real_vocab_size, my_items, pid, num_programs,
+                        n_row_blocks, 1, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V, GROUP_T, STAGES, HALF_ROWS,
+                        BLOCK_V, BLOCK_K)),
+        (_ws_producer, (h_desc, w_desc, h0_smem, h1_smem, w_smem, ready, empty, my_items, pid, num_programs,
+                        n_row_blocks, n_chunks, width, V_local, H, GROUP_T, STAGES)),
+    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
 
 
 @triton.jit
@@ -425,11 +615,40 @@ def _forward(hidden, weight, targets, bias, temperature, vocab_start, width, rea
     if T:
         args = _launch_args(hidden, weight, targets, bias, temperature, width=width, vocab_start=vocab_start,
                             real_vocab_size=real_vocab_size, with_entropy=with_entropy)
-        z = logits.contiguous() if logits is not None else target_z
-        _launch(_chunk_states_kernel, _tma_rows(hidden), _tma_rows(weight), args, n,
-                m_ptr=m, s_ptr=s, ent_ptr=w, tz_ptr=target_z, z_ptr=z, stride_z=z.stride(0),
-                LOAD_Z=logits is not None)
+        outputs = dict(m_ptr=m, s_ptr=s, ent_ptr=w, tz_ptr=target_z)
+        if logits is None and _warp_specialized(hidden, n):
+            _launch_ws(_tma_rows(hidden), _tma_rows(weight), args, n, **outputs)
+        else:
+            z = logits.contiguous() if logits is not None else target_z
+            _launch(_chunk_states_kernel, _tma_rows(hidden), _tma_rows(weight), args, n, **outputs, z_ptr=z,
+                    stride_z=z.stride(0), LOAD_Z=logits is not None)
     return m, s, w, target_z
+
+
+def _warp_specialized(hidden: torch.Tensor, n_chunks: int) -> bool:
+    """Whether this forward runs the Gluon kernel (WS_FORWARD): 16-bit operands on a Hopper GPU at
+    the 128-row blocks that _block_t picks for it (the tl kernel's bits, either way)."""
+    return (WS_FORWARD and not INTERPRETING and hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(hidden.device)[0] == 9
+            and _block_t(hidden.shape[0], n_chunks, hidden.device) == 2 * HALF)
+
+
+def _launch_ws(hidden, weight, args: dict, n_chunks: int, **outputs) -> None:
+    """_chunk_states_ws_kernel over (row blocks x n_chunks) items, one persistent program per SM at most."""
+    if args["BLOCK_V"] != WS_BLOCK_V:
+        raise ValueError(f"TILE_CONFIGS: the warp-specialised forward folds {WS_BLOCK_V}-column tiles (one wgmma "
+                         f"accumulator), got block_v={args['BLOCK_V']}; set WS_FORWARD = False to run another")
+    block_k = args["BLOCK_K"]
+    shared = WS_STAGES * (2 * HALF + WS_BLOCK_V) * block_k * hidden.element_size()
+    if shared > SHARED_BYTES:
+        raise ValueError(f"WS_STAGES = {WS_STAGES}: the ring's {shared} bytes exceed the {SHARED_BYTES} bytes of "
+                         "shared memory of a Hopper SM")
+    items = triton.cdiv(hidden.shape[0], 2 * HALF) * n_chunks
+    programs = min(items, resident_programs(hidden.device))
+    kernel_args = {k: v for k, v in args.items() if k not in ("UPCAST", "BLOCK_V", "BLOCK_K", "num_stages")}
+    _chunk_states_ws_kernel[(programs,)](
+        gluon_descriptor(hidden, [HALF, block_k]), gluon_descriptor(weight, [WS_BLOCK_V, block_k]), **kernel_args,
+        **outputs, num_programs=programs, STAGES=WS_STAGES, num_warps=4)
 
 
 def _head_logits(hidden, weight, width):
