@@ -19,24 +19,23 @@ from bench_logp import fwd_pair_ms
 import lockstep.kernels as K
 from lockstep.kernels._triton import logp as triton_logp
 
-TABLE = triton_logp.TILE_CONFIGS[torch.bfloat16]
-WARPS = dict(triton_logp.BLOCK_T_WARPS)
-GROUP_T = triton_logp.GROUP_T
-# (label, row blocks -> warps, tile config, row blocks that sweep the vocab together, Gluon forward's
-# stages or 0 for the tl kernel); the first: the tl kernel, its row block per T _block_t's
+# (label, Gluon forward's stages or 0 for the tl kernel, two tiles a step, a step's wgmmas left in
+# flight); the first: the tl kernel (its row block per T _block_t's)
 CANDIDATES = [
-    ("tl kernel", WARPS, TABLE, GROUP_T, 0),
-    ("Gluon, 6 stages", WARPS, TABLE, GROUP_T, 6),
-    ("Gluon, 5 stages", WARPS, TABLE, GROUP_T, 5),
-    ("Gluon, 4 stages", WARPS, TABLE, GROUP_T, 4),
-    ("Gluon, 6 stages, GROUP_T 8", WARPS, TABLE, 8, 6),
+    ("tl kernel", 0, False, False),
+    ("Gluon, 6 stages", 6, False, False),
+    ("Gluon, 6 stages, in flight", 6, False, True),
+    ("Gluon, 5 stages, in flight", 5, False, True),
+    ("Gluon, two tiles, 4 stages", 4, True, False),
+    ("Gluon, two tiles, 4 stages, in flight", 4, True, True),
+    ("Gluon, two tiles, 3 stages, in flight", 3, True, True),
 ]
 H, V = 4096, 151936
 
 
-def _use(warps, cfg, group_t, ws_stages) -> None:
-    triton_logp.BLOCK_T_WARPS, triton_logp.TILE_CONFIGS[torch.bfloat16], triton_logp.GROUP_T = warps, cfg, group_t
+def _use(ws_stages, pair, in_flight) -> None:
     triton_logp.WS_FORWARD, triton_logp.WS_STAGES = ws_stages > 0, ws_stages or triton_logp.WS_STAGES
+    triton_logp.WS_PAIR, triton_logp.WS_IN_FLIGHT = pair, in_flight
 
 
 def main() -> None:

@@ -96,6 +96,8 @@ GROUP_T = 16
 # rows, persistent over (row block, chunk) items. False: the tl kernel everywhere.
 WS_FORWARD = True
 WS_STAGES = 6
+WS_PAIR = False
+WS_IN_FLIGHT = False
 # The backward holds the dlogits of one slice of whole chunks: at most BACKWARD_SLICE_CHUNKS chunks
 # (a quarter of the vocab: ~2 bytes per logit against the naive path's ~18, at any T) and at most
 # BACKWARD_SLICE_BYTES (but at least one chunk). Fewer, larger slices mean fewer passes over the
@@ -328,44 +330,62 @@ def _ws_item(local, pid, num_programs, n_row_blocks, n_chunks, GROUP_T: gl.const
 
 
 @gluon.jit
-def _ws_producer(h_desc, w_desc, h0_smem, h1_smem, w_smem, ready, empty, my_items, pid, num_programs, n_row_blocks,
-                 n_chunks, width, V_local, H, GROUP_T: gl.constexpr, STAGES: gl.constexpr):
-    """Every (item, tile, k step) of the program in order: the TMA loads of the row block's two
-    64-row halves and the tile's weight rows into a STAGES-deep ring, waiting only for a free slot."""
+def _ws_producer(h_desc, w_desc, h0_smem, h1_smem, wa_smem, wb_smem, ready, empty, my_items, pid, num_programs,
+                 n_row_blocks, n_chunks, width, V_local, H, GROUP_T: gl.constexpr, STAGES: gl.constexpr,
+                 PAIR: gl.constexpr):
+    """Every (item, tile group, k step) of the program in order: the TMA loads of the row block's
+    two 64-row halves and the weight rows of one tile (or with PAIR of two tiles, a chunk's odd
+    last tile alone) into a STAGES-deep ring, waiting only for a free slot."""
     HALF_ROWS: gl.constexpr = h_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = h_desc.block_type.shape[1]
     BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
+    ONE: gl.constexpr = 2 * h_desc.block_type.nbytes + w_desc.block_type.nbytes
     t = 0
     for local in range(my_items):
         row_block, chunk = _ws_item(local, pid, num_programs, n_row_blocks, n_chunks, GROUP_T)
         lo = chunk * width
         hi = gl.minimum(lo + width, V_local)
-        for c0 in range(lo, hi, BLOCK_V):
+        for c0 in range(lo, hi, (1 + PAIR) * BLOCK_V):
+            two = PAIR and c0 + BLOCK_V < hi
             for k in range(0, H, BLOCK_K):
                 s = t % STAGES
                 # a slot is free once both consumers released it (its first use passes at once)
                 mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
-                mbarrier.expect(bar, 2 * h_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                mbarrier.expect(bar, ONE)
                 tma.async_copy_global_to_shared(h_desc, [row_block * 2 * HALF_ROWS, k], bar, h0_smem.index(s))
                 tma.async_copy_global_to_shared(h_desc, [row_block * 2 * HALF_ROWS + HALF_ROWS, k], bar,
                                                 h1_smem.index(s))
-                tma.async_copy_global_to_shared(w_desc, [c0, k], bar, w_smem.index(s))
+                tma.async_copy_global_to_shared(w_desc, [c0, k], bar, wa_smem.index(s))
+                if PAIR:
+                    tma.async_copy_global_to_shared(w_desc, [c0 + BLOCK_V, k], bar, wb_smem.index(s), pred=two)
                 t += 1
 
 
 @gluon.jit
-def _ws_consumer(h_smem, w_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr, T, H,
-                 V_local, n_chunks, width, vocab_start, real_vocab_size, my_items, pid, num_programs, n_row_blocks,
+def _ws_fold(acc, c0, m, s, w, tz, b_ptr, inv_temp, target, hi, V_local, vocab_start, real_vocab_size,
+             HAS_BIAS: gl.constexpr, HAS_TEMP: gl.constexpr, WITH_ENTROPY: gl.constexpr, LOG2_V: gl.constexpr):
+    """One tile's products (columns c0 ..) folded into the rows' states: the tl kernel's functions."""
+    cols = c0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, _WS_ACC_LAYOUT))
+    z, valid = _scaled_logits(acc, cols, b_ptr, inv_temp, hi, V_local, vocab_start, real_vocab_size, HAS_BIAS,
+                              HAS_TEMP)
+    return _fold_tile(m, s, w, tz, z, cols, valid, target, WITH_ENTROPY, LOG2_V, _ws_tree_sum)
+
+
+@gluon.jit
+def _ws_consumer(h_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr, T,
+                 H, V_local, n_chunks, width, vocab_start, real_vocab_size, my_items, pid, num_programs, n_row_blocks,
                  ROW_HALF: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_TEMP: gl.constexpr, WITH_ENTROPY: gl.constexpr,
-                 LOG2_V: gl.constexpr, GROUP_T: gl.constexpr, STAGES: gl.constexpr, HALF_ROWS: gl.constexpr,
-                 BLOCK_V: gl.constexpr, BLOCK_K: gl.constexpr):
+                 LOG2_V: gl.constexpr, GROUP_T: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
+                 IN_FLIGHT: gl.constexpr, HALF_ROWS: gl.constexpr, BLOCK_V: gl.constexpr, BLOCK_K: gl.constexpr):
     """Rows ROW_HALF * HALF_ROWS .. + HALF_ROWS of every item: per tile, the products in ascending k
-    (one wgmma a step from a zero accumulator, as tl.dot's), then _scaled_logits and _fold_tile,
-    the tl kernel's own functions; the states out with _store_states."""
+    (one wgmma a step from a zero accumulator, as tl.dot's; PAIR: two tiles' wgmmas a step, into
+    two accumulators), then each tile folded in column order (_ws_fold); the states out with
+    _store_states. IN_FLIGHT: a step's wgmmas stay in flight while the next step's are issued (its
+    slot freed one step later), else each step waits for its own."""
     row_layout: gl.constexpr = gl.SliceLayout(1, _WS_ACC_LAYOUT)
-    col_layout: gl.constexpr = gl.SliceLayout(0, _WS_ACC_LAYOUT)
-    acc = gl.zeros([HALF_ROWS, BLOCK_V], gl.float32, _WS_ACC_LAYOUT)
+    acc_a = gl.zeros([HALF_ROWS, BLOCK_V], gl.float32, _WS_ACC_LAYOUT)
+    acc_b = acc_a
     t = 0
     for local in range(my_items):
         row_block, chunk = _ws_item(local, pid, num_programs, n_row_blocks, n_chunks, GROUP_T)
@@ -378,19 +398,50 @@ def _ws_consumer(h_smem, w_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, 
         s = gl.zeros([HALF_ROWS], gl.float32, row_layout)
         w = gl.zeros([HALF_ROWS], gl.float32, row_layout)
         tz = gl.zeros([HALF_ROWS], gl.float32, row_layout)
-        for c0 in range(lo, hi, BLOCK_V):  # the chunk's tiles in increasing column order
-            for k in range(0, H, BLOCK_K):
-                st = t % STAGES
-                mbarrier.wait(ready.index(st), (t // STAGES) & 1)
-                acc = warpgroup_mma(h_smem.index(st), w_smem.index(st).permute((1, 0)), acc, use_acc=k > 0,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(st), count=1)
-                t += 1
-            cols = c0 + gl.arange(0, BLOCK_V, layout=col_layout)
-            z, valid = _scaled_logits(acc, cols, b_ptr, inv_temp, hi, V_local, vocab_start, real_vocab_size, HAS_BIAS,
-                                      HAS_TEMP)
-            m, s, w, tz = _fold_tile(m, s, w, tz, z, cols, valid, target, WITH_ENTROPY, LOG2_V, _ws_tree_sum)
+        for c0 in range(lo, hi, (1 + PAIR) * BLOCK_V):  # the chunk's tiles in increasing column order
+            two = PAIR and c0 + BLOCK_V < hi
+            if two:
+                for k in range(0, H, BLOCK_K):
+                    st = t % STAGES
+                    mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+                    acc_a = warpgroup_mma(h_smem.index(st), wa_smem.index(st).permute((1, 0)), acc_a, use_acc=k > 0,
+                                          is_async=True)
+                    acc_b = warpgroup_mma(h_smem.index(st), wb_smem.index(st).permute((1, 0)), acc_b, use_acc=k > 0,
+                                          is_async=True)
+                    if IN_FLIGHT:
+                        acc_a, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=(acc_a, acc_b))
+                        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=k > 0)
+                    else:
+                        acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
+                        mbarrier.arrive(empty.index(st), count=1)
+                    t += 1
+                if IN_FLIGHT:
+                    acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
+                    mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
+                m, s, w, tz = _ws_fold(acc_a, c0, m, s, w, tz, b_ptr, inv_temp, target, hi, V_local, vocab_start,
+                                       real_vocab_size, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V)
+                m, s, w, tz = _ws_fold(acc_b, c0 + BLOCK_V, m, s, w, tz, b_ptr, inv_temp, target, hi, V_local,
+                                       vocab_start, real_vocab_size, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V)
+            else:
+                for k in range(0, H, BLOCK_K):
+                    st = t % STAGES
+                    mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+                    acc_a = warpgroup_mma(h_smem.index(st), wa_smem.index(st).permute((1, 0)), acc_a, use_acc=k > 0,
+                                          is_async=True)
+                    if IN_FLIGHT:
+                        acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
+                        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=k > 0)
+                    else:
+                        acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
+                        mbarrier.arrive(empty.index(st), count=1)
+                    t += 1
+                if IN_FLIGHT:
+                    acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
+                    mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
+                cols = c0 + gl.arange(0, BLOCK_V, layout=gl.SliceLayout(0, _WS_ACC_LAYOUT))
+                z, valid = _scaled_logits(acc_a, cols, b_ptr, inv_temp, hi, V_local, vocab_start, real_vocab_size,
+                                          HAS_BIAS, HAS_TEMP)
+                m, s, w, tz = _fold_tile(m, s, w, tz, z, cols, valid, target, WITH_ENTROPY, LOG2_V, _ws_tree_sum)
         _store_states(m_ptr, s_ptr, ent_ptr, tz_ptr, m, s, w, tz, rows, row_ok, target, chunk, n_chunks, lo, hi,
                       V_local, WITH_ENTROPY)
 
@@ -400,7 +451,8 @@ def _ws_consumer(h_smem, w_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, 
 def _chunk_states_ws_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr, T, H, V_local,
                             n_chunks, width, vocab_start, real_vocab_size, num_programs, HAS_BIAS: gl.constexpr,
                             HAS_TEMP: gl.constexpr, WITH_ENTROPY: gl.constexpr, LOG2_V: gl.constexpr,
-                            GROUP_T: gl.constexpr, STAGES: gl.constexpr):
+                            GROUP_T: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
+                            IN_FLIGHT: gl.constexpr):
     """_chunk_states_kernel's forward at 128-row blocks, warp-specialised (see WS_FORWARD): a
     producer warp and two consumer warpgroups of 64 rows, persistent over (row block, chunk) items."""
     HALF_ROWS: gl.constexpr = h_desc.block_type.shape[0]
@@ -411,7 +463,11 @@ def _chunk_states_ws_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_p
     my_items = (n_row_blocks * n_chunks - pid + num_programs - 1) // num_programs
     h0_smem = gl.allocate_shared_memory(h_desc.dtype, [STAGES, HALF_ROWS, BLOCK_K], h_desc.layout)
     h1_smem = gl.allocate_shared_memory(h_desc.dtype, [STAGES, HALF_ROWS, BLOCK_K], h_desc.layout)
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_V, BLOCK_K], w_desc.layout)
+    wa_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_V, BLOCK_K], w_desc.layout)
+    if PAIR:
+        wb_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_V, BLOCK_K], w_desc.layout)
+    else:
+        wb_smem = wa_smem  # (never read)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -419,16 +475,16 @@ def _chunk_states_ws_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_p
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
     # (the argument tuples are written out in the call: a tuple variable loses their constexprs)
     gl.warp_specialize([
-        (_ws_consumer, (h0_smem, w_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr, T, H,
-                        V_local, n_chunks, width, vocab_start, real_vocab_size, my_items, pid, num_programs,
-                        n_row_blocks, 0, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V, GROUP_T, STAGES, HALF_ROWS,
-                        BLOCK_V, BLOCK_K)),
-        (_ws_consumer, (h1_smem, w_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr, T, H,
-                        V_local, n_chunks, width, vocab_start, real_vocab_size, my_items, pid, num_programs,
-                        n_row_blocks, 1, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V, GROUP_T, STAGES, HALF_ROWS,
-                        BLOCK_V, BLOCK_K)),
-        (_ws_producer, (h_desc, w_desc, h0_smem, h1_smem, w_smem, ready, empty, my_items, pid, num_programs,
-                        n_row_blocks, n_chunks, width, V_local, H, GROUP_T, STAGES)),
+        (_ws_consumer, (h0_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr,
+                        tz_ptr, T, H, V_local, n_chunks, width, vocab_start, real_vocab_size, my_items, pid,
+                        num_programs, n_row_blocks, 0, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V, GROUP_T, STAGES,
+                        PAIR, IN_FLIGHT, HALF_ROWS, BLOCK_V, BLOCK_K)),
+        (_ws_consumer, (h1_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr,
+                        tz_ptr, T, H, V_local, n_chunks, width, vocab_start, real_vocab_size, my_items, pid,
+                        num_programs, n_row_blocks, 1, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V, GROUP_T, STAGES,
+                        PAIR, IN_FLIGHT, HALF_ROWS, BLOCK_V, BLOCK_K)),
+        (_ws_producer, (h_desc, w_desc, h0_smem, h1_smem, wa_smem, wb_smem, ready, empty, my_items, pid,
+                        num_programs, n_row_blocks, n_chunks, width, V_local, H, GROUP_T, STAGES, PAIR)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -639,7 +695,7 @@ def _launch_ws(hidden, weight, args: dict, n_chunks: int, **outputs) -> None:
         raise ValueError(f"TILE_CONFIGS: the warp-specialised forward folds {WS_BLOCK_V}-column tiles (one wgmma "
                          f"accumulator), got block_v={args['BLOCK_V']}; set WS_FORWARD = False to run another")
     block_k = args["BLOCK_K"]
-    shared = WS_STAGES * (2 * HALF + WS_BLOCK_V) * block_k * hidden.element_size()
+    shared = WS_STAGES * (2 * HALF + (1 + WS_PAIR) * WS_BLOCK_V) * block_k * hidden.element_size()
     if shared > SHARED_BYTES:
         raise ValueError(f"WS_STAGES = {WS_STAGES}: the ring's {shared} bytes exceed the {SHARED_BYTES} bytes of "
                          "shared memory of a Hopper SM")
@@ -648,7 +704,7 @@ def _launch_ws(hidden, weight, args: dict, n_chunks: int, **outputs) -> None:
     kernel_args = {k: v for k, v in args.items() if k not in ("UPCAST", "BLOCK_V", "BLOCK_K", "num_stages")}
     _chunk_states_ws_kernel[(programs,)](
         gluon_descriptor(hidden, [HALF, block_k]), gluon_descriptor(weight, [WS_BLOCK_V, block_k]), **kernel_args,
-        **outputs, num_programs=programs, STAGES=WS_STAGES, num_warps=4)
+        **outputs, num_programs=programs, STAGES=WS_STAGES, PAIR=WS_PAIR, IN_FLIGHT=WS_IN_FLIGHT, num_warps=4)
 
 
 def _head_logits(hidden, weight, width):
