@@ -30,7 +30,9 @@
 #   attention   benchmarks/bench_attention.py (tables $ATTENTION_TABLES, default training,prefill,decode)
 #   sweep_attention benchmarks/sweep_attention.py (attention forward: tile, load schedule x stages, bitwise-checked;
 #               entries $SWEEP_ENTRIES, default decode,prefill)
-#   sweep_logp  benchmarks/sweep_logp.py (linear-logp row blocks and stages at T = 128, 256, 4096 vs the bare GEMM)
+#   sweep_logp  benchmarks/sweep_logp.py (linear-logp forwards: the tl kernel, the Gluon one's options; T = 256, 4096)
+#   sweep_logp_each  the same, each candidate of $SWEEP_EACH in its own process under a timeout (a hung kernel costs
+#               one candidate, not the call)
 #   logp        benchmarks/bench_logp.py (kernels.py's linear-logp section alone)
 #   sweep_gemm_column benchmarks/sweep_gemm.py --column (tiles up to 256 rows, swapped ones too, on qkv and gate_up;
 #               bits checked against the table's kernel)
@@ -110,6 +112,10 @@ for stage in "$@"; do
     attention) link_lockstep; timeout 330 python3 benchmarks/bench_attention.py --tables "${ATTENTION_TABLES:-training,prefill,decode}" \
                > "$OUT/attention.log" 2>&1; tail -40 "$OUT/attention.log" ;;
     sweep_logp) link_lockstep; timeout 300 python3 benchmarks/sweep_logp.py > "$OUT/sweep_logp.log" 2>&1; tail -12 "$OUT/sweep_logp.log" ;;
+    sweep_logp_each) link_lockstep  # each of $SWEEP_EACH (candidate indices) in its own process, $SWEEP_EACH_TIMEOUT s each
+             for i in ${SWEEP_EACH:-1 2}; do SWEEP_CANDIDATES=0,$i timeout ${SWEEP_EACH_TIMEOUT:-90} python3 benchmarks/sweep_logp.py \
+               >> "$OUT/sweep_logp_each.log" 2>&1 || echo "candidate $i: exit $?" >> "$OUT/sweep_logp_each.log"; done
+             tail -30 "$OUT/sweep_logp_each.log" ;;
     sweep_gemm_column) link_lockstep; timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_gemm.py --column \
                > "$OUT/sweep_gemm_column.log" 2>&1; tail -16 "$OUT/sweep_gemm_column.log" ;;
     sweep_gemm_large) link_lockstep; timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_gemm.py --large \

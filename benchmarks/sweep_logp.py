@@ -8,6 +8,7 @@ timed. Kernel time on both sides (CUDA-graph
 replays in alternating turns with the GEMM, bench_logp.fwd_pair_ms).
 
     python benchmarks/sweep_logp.py     # SWEEP_T=256,4096: other token counts (default 256,4096)
+    SWEEP_CANDIDATES=0,4 SWEEP_ENTROPY=0 python benchmarks/sweep_logp.py   # two candidates, bits without entropy
 """
 from __future__ import annotations
 
@@ -41,15 +42,18 @@ def _use(ws_stages, pair, in_flight) -> None:
 def main() -> None:
     K.set_backend("triton")
     w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
+    # SWEEP_CANDIDATES=0,4: only those (indices into CANDIDATES); SWEEP_ENTROPY=0: check the bits without entropy
+    picked = [CANDIDATES[int(i)] for i in os.environ.get("SWEEP_CANDIDATES", ",".join(map(str, range(len(CANDIDATES))))).split(",")]
+    entropy = os.environ.get("SWEEP_ENTROPY", "1") == "1"
     for t in [int(t) for t in os.environ.get("SWEEP_T", "256,4096").split(",")]:
         h = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
         tgt = torch.randint(0, V, (t,), device="cuda")
         _use(*CANDIDATES[0][1:])
-        ref = K.linear_logp(h, w, tgt, with_entropy=True, temperature=0.7)
-        for label, *setting in CANDIDATES:
+        ref = K.linear_logp(h, w, tgt, with_entropy=entropy, temperature=0.7)
+        for label, *setting in picked:
             _use(*setting)
-            got = K.linear_logp(h, w, tgt, with_entropy=True, temperature=0.7)
-            if not all(torch.equal(a, b) for a, b in zip(got, ref)):
+            got = K.linear_logp(h, w, tgt, with_entropy=entropy, temperature=0.7)
+            if not all(a is b or torch.equal(a, b) for a, b in zip(got, ref)):
                 print(f"T={t} {label}: BITS DIFFER from the tl kernel's", flush=True)
                 continue
             gemm, ms = fwd_pair_ms(lambda: h @ w.t(), lambda: K.linear_logp(h, w, tgt))

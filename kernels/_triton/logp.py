@@ -334,8 +334,8 @@ def _ws_producer(h_desc, w_desc, h0_smem, h1_smem, wa_smem, wb_smem, ready, empt
                  n_row_blocks, n_chunks, width, V_local, H, GROUP_T: gl.constexpr, STAGES: gl.constexpr,
                  PAIR: gl.constexpr):
     """Every (item, tile group, k step) of the program in order: the TMA loads of the row block's
-    two 64-row halves and the weight rows of one tile (or with PAIR of two tiles, a chunk's odd
-    last tile alone) into a STAGES-deep ring, waiting only for a free slot."""
+    two 64-row halves and the weight rows of one tile (or with PAIR of two) into a STAGES-deep
+    ring, waiting only for a free slot."""
     HALF_ROWS: gl.constexpr = h_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = h_desc.block_type.shape[1]
     BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
@@ -346,19 +346,18 @@ def _ws_producer(h_desc, w_desc, h0_smem, h1_smem, wa_smem, wb_smem, ready, empt
         lo = chunk * width
         hi = gl.minimum(lo + width, V_local)
         for c0 in range(lo, hi, (1 + PAIR) * BLOCK_V):
-            two = PAIR and c0 + BLOCK_V < hi
             for k in range(0, H, BLOCK_K):
                 s = t % STAGES
                 # a slot is free once both consumers released it (its first use passes at once)
                 mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
-                mbarrier.expect(bar, ONE)
+                mbarrier.expect(bar, ONE + PAIR * w_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(h_desc, [row_block * 2 * HALF_ROWS, k], bar, h0_smem.index(s))
                 tma.async_copy_global_to_shared(h_desc, [row_block * 2 * HALF_ROWS + HALF_ROWS, k], bar,
                                                 h1_smem.index(s))
                 tma.async_copy_global_to_shared(w_desc, [c0, k], bar, wa_smem.index(s))
-                if PAIR:
-                    tma.async_copy_global_to_shared(w_desc, [c0 + BLOCK_V, k], bar, wb_smem.index(s), pred=two)
+                if PAIR:  # (past the chunk's last tile too: the consumers leave those products unused)
+                    tma.async_copy_global_to_shared(w_desc, [c0 + BLOCK_V, k], bar, wb_smem.index(s))
                 t += 1
 
 
@@ -385,7 +384,7 @@ def _ws_consumer(h_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_pt
     slot freed one step later), else each step waits for its own."""
     row_layout: gl.constexpr = gl.SliceLayout(1, _WS_ACC_LAYOUT)
     acc_a = gl.zeros([HALF_ROWS, BLOCK_V], gl.float32, _WS_ACC_LAYOUT)
-    acc_b = acc_a
+    acc_b = gl.zeros([HALF_ROWS, BLOCK_V], gl.float32, _WS_ACC_LAYOUT)
     t = 0
     for local in range(my_items):
         row_block, chunk = _ws_item(local, pid, num_programs, n_row_blocks, n_chunks, GROUP_T)
@@ -438,10 +437,8 @@ def _ws_consumer(h_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_pt
                 if IN_FLIGHT:
                     acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
                     mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
-                cols = c0 + gl.arange(0, BLOCK_V, layout=gl.SliceLayout(0, _WS_ACC_LAYOUT))
-                z, valid = _scaled_logits(acc_a, cols, b_ptr, inv_temp, hi, V_local, vocab_start, real_vocab_size,
-                                          HAS_BIAS, HAS_TEMP)
-                m, s, w, tz = _fold_tile(m, s, w, tz, z, cols, valid, target, WITH_ENTROPY, LOG2_V, _ws_tree_sum)
+                m, s, w, tz = _ws_fold(acc_a, c0, m, s, w, tz, b_ptr, inv_temp, target, hi, V_local, vocab_start,
+                                       real_vocab_size, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V)
         _store_states(m_ptr, s_ptr, ent_ptr, tz_ptr, m, s, w, tz, rows, row_ok, target, chunk, n_chunks, lo, hi,
                       V_local, WITH_ENTROPY)
 
