@@ -95,9 +95,12 @@ GROUP_T = 16
 # WS_STAGES-deep ring and two consumer warpgroups of 64 rows, each multiplying and folding its
 # rows, persistent over (row block, chunk) items. False: the tl kernel everywhere.
 WS_FORWARD = True
-WS_STAGES = 6
-WS_PAIR = False
-WS_IN_FLIGHT = False
+WS_STAGES = 4
+# WS_PAIR: each step multiplies two vocab tiles (two accumulators; the h rows loaded once for both,
+# a quarter less L2 traffic a product), folded in column order. WS_IN_FLIGHT: a step's wgmmas stay in
+# flight while the next step's are issued.
+WS_PAIR = True
+WS_IN_FLIGHT = True
 # The backward holds the dlogits of one slice of whole chunks: at most BACKWARD_SLICE_CHUNKS chunks
 # (a quarter of the vocab: ~2 bytes per logit against the naive path's ~18, at any T) and at most
 # BACKWARD_SLICE_BYTES (but at least one chunk). Fewer, larger slices mean fewer passes over the
@@ -302,6 +305,8 @@ _WS_ACC_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_pe
 # wgmma layout spreads over the quad, then add inside each thread (Triton's tl kernel converts its
 # tile the same way before those levels).
 WS_LAST_COLUMNS = 8
+WS_CONSUMER_REGISTERS = gl.constexpr(240)
+WS_PRODUCER_REGISTERS = gl.constexpr(24)
 _WS_ROW_QUAD = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
     warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[HALF, WS_LAST_COLUMNS]))
@@ -482,7 +487,7 @@ def _chunk_states_ws_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_p
                         PAIR, IN_FLIGHT, HALF_ROWS, BLOCK_V, BLOCK_K)),
         (_ws_producer, (h_desc, w_desc, h0_smem, h1_smem, wa_smem, wb_smem, ready, empty, my_items, pid,
                         num_programs, n_row_blocks, n_chunks, width, V_local, H, GROUP_T, STAGES, PAIR)),
-    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+    ], [4, 1], [WS_CONSUMER_REGISTERS, WS_PRODUCER_REGISTERS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
