@@ -37,6 +37,7 @@ H, V = 4096, 151936
 def _use(ws_stages, pair, in_flight) -> None:
     triton_logp.WS_FORWARD, triton_logp.WS_STAGES = ws_stages > 0, ws_stages or triton_logp.WS_STAGES
     triton_logp.WS_PAIR, triton_logp.WS_IN_FLIGHT = pair, in_flight
+    triton_logp.WS_MIN_ITEMS_PER_PROGRAM = 0  # a Gluon candidate runs at every T
 
 
 def main() -> None:

@@ -466,6 +466,10 @@ def test_gpu_warp_specialized_forward_gives_the_tl_kernels_bits(monkeypatch):
         cases.append((hidden, weight, targets, dict(vocab_start=0, width=logp_module.chunk_width(QWEN3_V),
                                                     real_vocab_size=QWEN3_V, bias=None, temperature=0.8,
                                                     with_entropy=True)))
+    # where it runs by default: Qwen3's head at T = 4,096, not at 256 (one item a program)
+    assert [triton_logp._warp_specialized(torch.empty(t, 8, device="cuda", dtype=torch.bfloat16), 64)
+            for t in (256, 4096)] == [False, True]
+    monkeypatch.setattr(triton_logp, "WS_MIN_ITEMS_PER_PROGRAM", 0)  # every case below: the Gluon kernel
     for hidden, weight, targets, kw in cases:
         n_chunks = -(-weight.shape[0] // kw["width"])
         monkeypatch.setattr(triton_logp, "WS_FORWARD", True)

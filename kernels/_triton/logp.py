@@ -44,8 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
 from lockstep.kernels._triton._tma import aligned_empty
-from lockstep.kernels._triton.splitk_ws import (CONSUMER_REGISTERS, HALF, PRODUCER_REGISTERS, SHARED_BYTES,
-                                                gluon_descriptor)
+from lockstep.kernels._triton.splitk_ws import HALF, SHARED_BYTES, gluon_descriptor
 from lockstep.kernels.logp import ChunkStates, LinearLogpOutput, torch_merge_states
 
 # ------------------------------------------------------------------------------------------------
@@ -101,6 +100,11 @@ WS_STAGES = 4
 # flight while the next step's are issued.
 WS_PAIR = True
 WS_IN_FLIGHT = True
+# ... and only where its persistent programs get at least this many (row block, chunk) items each:
+# benchmarks/sweep_logp.py, H200, Qwen3's head, against the bare GEMM in alternating turns: T = 4,096
+# (2,048 items) 1.045x / 1.058x against the tl kernel's 1.106x / 1.108x; T = 256 (128 items, one a
+# program) 1.174x / 1.165x against 1.129x / 1.122x.
+WS_MIN_ITEMS_PER_PROGRAM = 2
 # The backward holds the dlogits of one slice of whole chunks: at most BACKWARD_SLICE_CHUNKS chunks
 # (a quarter of the vocab: ~2 bytes per logit against the naive path's ~18, at any T) and at most
 # BACKWARD_SLICE_BYTES (but at least one chunk). Fewer, larger slices mean fewer passes over the
@@ -296,30 +300,33 @@ def _store_states(m_ptr, s_ptr, ent_ptr, tz_ptr, m, s, w, tz, rows, row_ok, targ
     tl.store(tz_ptr + rows, tl.where(local, tz, 0.0), mask=row_ok & writes)
 
 
-# A consumer warpgroup's [64, 128] fp32 tile: wgmma's accumulator (m64n128k16 steps, as tl.dot's).
+# The Gluon forward's layouts and registers. A consumer warpgroup's [64, 128] fp32 tile is wgmma's
+# accumulator (m64n128k16 steps, as tl.dot's at 128-row blocks and 8 warps).
 WS_BLOCK_V = 128
 _WS_ACC_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, WS_BLOCK_V, 16]))
-# The last eight partial sums of each row of a consumer's [64, 128] tile in every thread of the
-# row's quad (rows 0/8 a thread, 8 per warp, 16 per warp): the tree's last three levels, whose pairs the
-# wgmma layout spreads over the quad, then add inside each thread (Triton's tl kernel converts its
-# tile the same way before those levels).
-WS_LAST_COLUMNS = 8
-WS_CONSUMER_REGISTERS = gl.constexpr(240)
-WS_PRODUCER_REGISTERS = gl.constexpr(24)
+# The tree's last three levels pair columns that the accumulator spreads over a row's quad of
+# threads: the last eight partial sums of every row go to each thread of its quad first (rows r and
+# r + 8 a thread, 8 rows a warp's lanes, 16 a warp), as Triton's tl kernel converts its own tile.
+_WS_LAST_LEVELS = gl.constexpr(3)
 _WS_ROW_QUAD = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[HALF, WS_LAST_COLUMNS]))
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[HALF, 1 << _WS_LAST_LEVELS.value]))
+# Registers a thread of the worker partitions (setmaxnreg): the second consumer holds two
+# accumulators and a tile's fold (the first, the default partition, gets 256); the producer only
+# issues loads. 4 x 32 x (256 + 240) + 32 x 24 fits the 64 K registers of an SM.
+WS_CONSUMER_REGISTERS = gl.constexpr(240)
+WS_PRODUCER_REGISTERS = gl.constexpr(24)
 
 
 @gluon.jit
 def _ws_tree_sum(x, LOG2_N: gl.constexpr):
     """_tree_sum of a consumer's tile (the same sums): the levels whose pairs lie in one thread,
     then the last eight columns gathered into each thread of the row's quad, and the rest."""
-    for _ in gl.static_range(LOG2_N - 3):
+    for _ in gl.static_range(LOG2_N - _WS_LAST_LEVELS):
         first, second = _halves(x)
         x = first + second
-    x = _tree_sum(gl.convert_layout(x, _WS_ROW_QUAD), 3)
+    x = _tree_sum(gl.convert_layout(x, _WS_ROW_QUAD), _WS_LAST_LEVELS)
     return gl.convert_layout(x, gl.SliceLayout(1, _WS_ACC_LAYOUT), assert_trivial=True)
 
 
@@ -685,10 +692,14 @@ def _forward(hidden, weight, targets, bias, temperature, vocab_start, width, rea
 
 def _warp_specialized(hidden: torch.Tensor, n_chunks: int) -> bool:
     """Whether this forward runs the Gluon kernel (WS_FORWARD): 16-bit operands on a Hopper GPU at
-    the 128-row blocks that _block_t picks for it (the tl kernel's bits, either way)."""
-    return (WS_FORWARD and not INTERPRETING and hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
-            and torch.cuda.get_device_capability(hidden.device)[0] == 9
-            and _block_t(hidden.shape[0], n_chunks, hidden.device) == 2 * HALF)
+    the 128-row blocks that _block_t picks, with WS_MIN_ITEMS_PER_PROGRAM items a program (the tl
+    kernel's bits, either way: only the speed differs)."""
+    if not (WS_FORWARD and not INTERPRETING and hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(hidden.device)[0] == 9):
+        return False
+    items = triton.cdiv(hidden.shape[0], 2 * HALF) * n_chunks
+    return (_block_t(hidden.shape[0], n_chunks, hidden.device) == 2 * HALF
+            and items >= WS_MIN_ITEMS_PER_PROGRAM * resident_programs(hidden.device))
 
 
 def _launch_ws(hidden, weight, args: dict, n_chunks: int, **outputs) -> None:
@@ -696,6 +707,9 @@ def _launch_ws(hidden, weight, args: dict, n_chunks: int, **outputs) -> None:
     if args["BLOCK_V"] != WS_BLOCK_V:
         raise ValueError(f"TILE_CONFIGS: the warp-specialised forward folds {WS_BLOCK_V}-column tiles (one wgmma "
                          f"accumulator), got block_v={args['BLOCK_V']}; set WS_FORWARD = False to run another")
+    if args["HAS_BIAS"] and not WS_PAIR:
+        raise ValueError("WS_PAIR = False with a bias: Triton 3.6 fails to lower that kernel (an LLVM assertion in "
+                         "ConvertTritonGPUToLLVM); set WS_PAIR = True, or WS_FORWARD = False for the tl kernel")
     block_k = args["BLOCK_K"]
     shared = WS_STAGES * (2 * HALF + (1 + WS_PAIR) * WS_BLOCK_V) * block_k * hidden.element_size()
     if shared > SHARED_BYTES:
