@@ -482,22 +482,26 @@ def test_gpu_warp_specialized_forward_gives_the_tl_kernels_bits(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_linear_logp_is_captured_in_a_cuda_graph():
+@pytest.mark.parametrize("t", [64, 4096])
+def test_linear_logp_is_captured_in_a_cuda_graph(t):
     """No host sync inside linear_logp: a CUDA graph captures it, and its replays on new inputs (the
-    static buffers refilled) give the eager bits."""
+    static buffers refilled) give the eager bits; at T = 64 through the tl kernel, at 4,096 through
+    the warp-specialised Gluon forward on Hopper."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    hidden = torch.randn(64, 512, device="cuda", generator=g).bfloat16()
+    hidden = torch.randn(t, 512, device="cuda", generator=g).bfloat16()
     weight = (torch.randn(4096, 512, device="cuda", generator=g) * 0.05).bfloat16()
-    targets = torch.randint(0, 4000, (64,), device="cuda", generator=g)
+    targets = torch.randint(0, 4000, (t,), device="cuda", generator=g)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert _triton_logp_module()._warp_specialized(hidden, logp_module.NUM_VOCAB_CHUNKS) == (t == 4096)
     with K.using_backend("triton"):
-        K.linear_logp(hidden, weight, targets, real_vocab_size=4000)  # compile outside the capture
+        K.linear_logp(hidden, weight, targets, real_vocab_size=4000, temperature=0.7)  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = K.linear_logp(hidden, weight, targets, real_vocab_size=4000, temperature=0.7)
         for seed in (1, 2):
             gen = torch.Generator(device="cuda").manual_seed(seed)
             hidden.copy_(torch.randn(hidden.shape, device="cuda", generator=gen).bfloat16())
-            targets.copy_(torch.randint(0, 4000, (64,), device="cuda", generator=gen))
+            targets.copy_(torch.randint(0, 4000, (t,), device="cuda", generator=gen))
             graph.replay()
             eager = K.linear_logp(hidden, weight, targets, real_vocab_size=4000, temperature=0.7)
             assert torch.equal(out.logp, eager.logp)
