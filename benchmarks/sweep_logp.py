@@ -9,6 +9,7 @@ replays in alternating turns with the GEMM, bench_logp.fwd_pair_ms).
 
     python benchmarks/sweep_logp.py     # SWEEP_T=256,4096: other token counts (default 256,4096)
     SWEEP_CANDIDATES=0,4 SWEEP_ENTROPY=0 python benchmarks/sweep_logp.py   # two candidates, bits without entropy
+    SWEEP_TIME_ENTROPY=1 python benchmarks/sweep_logp.py                   # time the forwards with entropy
 """
 from __future__ import annotations
 
@@ -44,8 +45,10 @@ def main() -> None:
     K.set_backend("triton")
     w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
     # SWEEP_CANDIDATES=0,4: only those (indices into CANDIDATES); SWEEP_ENTROPY=0: check the bits without entropy
-    picked = [CANDIDATES[int(i)] for i in os.environ.get("SWEEP_CANDIDATES", ",".join(map(str, range(len(CANDIDATES))))).split(",")]
+    every = ",".join(map(str, range(len(CANDIDATES))))
+    picked = [CANDIDATES[int(i)] for i in os.environ.get("SWEEP_CANDIDATES", every).split(",")]
     entropy = os.environ.get("SWEEP_ENTROPY", "1") == "1"
+    timed_entropy = os.environ.get("SWEEP_TIME_ENTROPY", "0") == "1"  # time the forward with entropy (training's)
     for t in [int(t) for t in os.environ.get("SWEEP_T", "256,4096").split(",")]:
         h = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
         tgt = torch.randint(0, V, (t,), device="cuda")
@@ -57,8 +60,9 @@ def main() -> None:
             if not all(a is b or torch.equal(a, b) for a, b in zip(got, ref)):
                 print(f"T={t} {label}: BITS DIFFER from the tl kernel's", flush=True)
                 continue
-            gemm, ms = fwd_pair_ms(lambda: h @ w.t(), lambda: K.linear_logp(h, w, tgt))
-            print(f"T={t} {label}: {ms:.3f} ms = {ms / gemm:.3f}x bare GEMM ({gemm:.3f} ms)", flush=True)
+            gemm, ms = fwd_pair_ms(lambda: h @ w.t(), lambda: K.linear_logp(h, w, tgt, with_entropy=timed_entropy))
+            print(f"T={t} {label}{' (with entropy)' if timed_entropy else ''}: {ms:.3f} ms = {ms / gemm:.3f}x bare "
+                  f"GEMM ({gemm:.3f} ms)", flush=True)
         _use(*CANDIDATES[0][1:])
 
 
