@@ -1,14 +1,13 @@
-"""Row-block and pipeline sweep for the fused linear-logp forward (bf16, H=4096, V=151936), against
-the bare LM-head GEMM measured alongside. The row block and its warps decide only which program
-computes a row, the stages only how deep the loads run ahead, GROUP_T only which programs run
-side by side, and the warp-specialised Gluon forward (WS_FORWARD, WS_STAGES) only how the same
-dots and folds are scheduled, never a row's arithmetic (kernels/_triton/logp.py): every
-candidate's output is checked bitwise against the tl kernel's (the first candidate) before it is
-timed. Kernel time on both sides (CUDA-graph
-replays in alternating turns with the GEMM, bench_logp.fwd_pair_ms).
+"""The fused linear-logp forward's kernels (bf16, H=4096, V=151936): the tl kernel against the
+warp-specialised Gluon one at each stage count, against the bare LM-head GEMM measured alongside.
+The kernel and its stages decide only how the same dots and folds are scheduled, never a row's
+arithmetic (kernels/_triton/logp.py): every candidate's output is checked bitwise against the tl
+kernel's (the first candidate) before it is timed. Kernel time on both sides (CUDA-graph replays
+in alternating turns with the GEMM, bench_logp.fwd_pair_ms). Earlier sweeps of row blocks, GROUP_T
+and the tl kernel's stages are in benchmarks/RESULTS.md.
 
     python benchmarks/sweep_logp.py     # SWEEP_T=256,4096: other token counts (default 256,4096)
-    SWEEP_CANDIDATES=0,4 SWEEP_ENTROPY=0 python benchmarks/sweep_logp.py   # two candidates, bits without entropy
+    SWEEP_CANDIDATES=0,2 SWEEP_ENTROPY=0 python benchmarks/sweep_logp.py   # two candidates, bits without entropy
     SWEEP_TIME_ENTROPY=1 python benchmarks/sweep_logp.py                   # time the forwards with entropy
 """
 from __future__ import annotations
@@ -21,23 +20,19 @@ from bench_logp import fwd_pair_ms
 import lockstep.kernels as K
 from lockstep.kernels._triton import logp as triton_logp
 
-# (label, Gluon forward's stages or 0 for the tl kernel, two tiles a step, a step's wgmmas left in
-# flight); the first: the tl kernel (its row block per T _block_t's)
+# (label, the Gluon forward's stages or 0 for the tl kernel); the first: the tl kernel (its row block
+# per T _block_t's). The schedules measured on the way to the Gluon kernel's (one tile a step; each
+# step's wgmmas waited for) are in benchmarks/RESULTS.md, eleventh session.
 CANDIDATES = [
-    ("tl kernel", 0, False, False),
-    ("Gluon, 6 stages", 6, False, False),
-    ("Gluon, 6 stages, in flight", 6, False, True),
-    ("Gluon, 5 stages, in flight", 5, False, True),
-    ("Gluon, two tiles, 4 stages", 4, True, False),
-    ("Gluon, two tiles, 4 stages, in flight", 4, True, True),
-    ("Gluon, two tiles, 3 stages, in flight", 3, True, True),
+    ("tl kernel", 0),
+    ("Gluon, 4 stages", 4),
+    ("Gluon, 3 stages", 3),
 ]
 H, V = 4096, 151936
 
 
-def _use(ws_stages, pair, in_flight) -> None:
+def _use(ws_stages) -> None:
     triton_logp.WS_FORWARD, triton_logp.WS_STAGES = ws_stages > 0, ws_stages or triton_logp.WS_STAGES
-    triton_logp.WS_PAIR, triton_logp.WS_IN_FLIGHT = pair, in_flight
     triton_logp.WS_MIN_ITEMS_PER_PROGRAM = 0  # a Gluon candidate runs at every T
 
 

@@ -557,7 +557,7 @@ ws_descs = dict(descs, h_desc=f"tensordesc<bf16[{L.HALF}, 64],{gluon_layout([L.H
                 w_desc=f"tensordesc<bf16[{L.WS_BLOCK_V}, 64],{gluon_layout([L.WS_BLOCK_V, 64])!r}>")
 for on in (False, True):
     ce = dict(HAS_BIAS=on, HAS_TEMP=on, WITH_ENTROPY=on, LOG2_V=cfg.block_v.bit_length() - 1, GROUP_T=L.GROUP_T,
-              STAGES=L.WS_STAGES, PAIR=L.WS_PAIR, IN_FLIGHT=L.WS_IN_FLIGHT)
+              STAGES=L.WS_STAGES)
     if not on:
         ce.update(b_ptr=None, temp_ptr=None)
     out[f"ws_{on}"] = compile_sm90(L._chunk_states_ws_kernel, lambda n: ws_descs.get(n, "i32"), ce, 4, 1)

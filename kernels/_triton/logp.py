@@ -13,6 +13,10 @@ Batch invariance (bitwise, per row), by construction:
   never `tl.sum`, whose order follows the register layout, which changes with BLOCK_T and warps;
 - the tiles of a chunk merge in increasing column order, whatever BLOCK_T is.
 So BLOCK_T is chosen per call, for occupancy only; the rest of the numerics is the config table.
+On Hopper, 16-bit forwards with enough work (WS_FORWARD) run the same tiles and folds as a
+warp-specialised Gluon kernel (_chunk_states_ws_kernel): the fold's functions are the tl ones,
+called from Gluon, so there is one definition of the fold, and the GPU tests check its bits
+against the tl kernel's.
 
 Backward: the reference's autograd formula with the chunk max as a constant, z recomputed. The
 vocab is processed in slices of whole chunks: a kernel recomputes the slice's logits tile by tile
@@ -90,20 +94,18 @@ MIN_WAVE_FILL = 0.7
 GROUP_T = 16
 # The forward at 128-row blocks of 16-bit operands on Hopper runs _chunk_states_ws_kernel: the same
 # tiles, products and fold as _chunk_states_kernel (checked bitwise on an H200, tests/
-# test_triton_logp.py), scheduled in Gluon as a producer warp issuing the TMA loads into a
-# WS_STAGES-deep ring and two consumer warpgroups of 64 rows, each multiplying and folding its
-# rows, persistent over (row block, chunk) items. False: the tl kernel everywhere.
+# test_triton_logp.py), scheduled in Gluon: a producer warp issues the TMA loads into a
+# WS_STAGES-deep ring, two consumer warpgroups of 64 rows each multiply two vocab tiles a step into
+# two accumulators (the rows loaded once for both: a quarter less L2 traffic a product), leave a
+# step's wgmmas in flight while issuing the next, and fold the tiles in column order; the programs
+# are persistent over (row block, chunk) items. benchmarks/sweep_logp.py, H200, Qwen3's head, T =
+# 4,096, against the bare GEMM in alternating turns: 1.045x / 1.058x with / without wgmmas in
+# flight, 1.117x one tile a step (6 stages), the tl kernel 1.106-1.108x; with entropy 1.109x
+# against 1.172x. False: the tl kernel everywhere.
 WS_FORWARD = True
-WS_STAGES = 4
-# WS_PAIR: each step multiplies two vocab tiles (two accumulators; the h rows loaded once for both,
-# a quarter less L2 traffic a product), folded in column order. WS_IN_FLIGHT: a step's wgmmas stay in
-# flight while the next step's are issued.
-WS_PAIR = True
-WS_IN_FLIGHT = True
+WS_STAGES = 4  # 4 x 48 KiB of rows and two weight tiles
 # ... and only where its persistent programs get at least this many (row block, chunk) items each:
-# benchmarks/sweep_logp.py, H200, Qwen3's head, against the bare GEMM in alternating turns: T = 4,096
-# (2,048 items) 1.045x / 1.058x against the tl kernel's 1.106x / 1.108x; T = 256 (128 items, one a
-# program) 1.174x / 1.165x against 1.129x / 1.122x.
+# T = 256 (128 items, one a program) ran 1.165x / 1.174x against the tl kernel's 1.122x / 1.129x.
 WS_MIN_ITEMS_PER_PROGRAM = 2
 # The backward holds the dlogits of one slice of whole chunks: at most BACKWARD_SLICE_CHUNKS chunks
 # (a quarter of the vocab: ~2 bytes per logit against the naive path's ~18, at any T) and at most
@@ -343,33 +345,31 @@ def _ws_item(local, pid, num_programs, n_row_blocks, n_chunks, GROUP_T: gl.const
 
 @gluon.jit
 def _ws_producer(h_desc, w_desc, h0_smem, h1_smem, wa_smem, wb_smem, ready, empty, my_items, pid, num_programs,
-                 n_row_blocks, n_chunks, width, V_local, H, GROUP_T: gl.constexpr, STAGES: gl.constexpr,
-                 PAIR: gl.constexpr):
-    """Every (item, tile group, k step) of the program in order: the TMA loads of the row block's
-    two 64-row halves and the weight rows of one tile (or with PAIR of two) into a STAGES-deep
-    ring, waiting only for a free slot."""
+                 n_row_blocks, n_chunks, width, V_local, H, GROUP_T: gl.constexpr, STAGES: gl.constexpr):
+    """Every (item, pair of tiles, k step) of the program in order: the TMA loads of the row block's
+    two 64-row halves and of two tiles' weight rows into a STAGES-deep ring, waiting only for a
+    free slot."""
     HALF_ROWS: gl.constexpr = h_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = h_desc.block_type.shape[1]
     BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
-    ONE: gl.constexpr = 2 * h_desc.block_type.nbytes + w_desc.block_type.nbytes
     t = 0
     for local in range(my_items):
         row_block, chunk = _ws_item(local, pid, num_programs, n_row_blocks, n_chunks, GROUP_T)
         lo = chunk * width
         hi = gl.minimum(lo + width, V_local)
-        for c0 in range(lo, hi, (1 + PAIR) * BLOCK_V):
+        for c0 in range(lo, hi, 2 * BLOCK_V):
             for k in range(0, H, BLOCK_K):
                 s = t % STAGES
                 # a slot is free once both consumers released it (its first use passes at once)
                 mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
-                mbarrier.expect(bar, ONE + PAIR * w_desc.block_type.nbytes)
+                mbarrier.expect(bar, 2 * h_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(h_desc, [row_block * 2 * HALF_ROWS, k], bar, h0_smem.index(s))
                 tma.async_copy_global_to_shared(h_desc, [row_block * 2 * HALF_ROWS + HALF_ROWS, k], bar,
                                                 h1_smem.index(s))
                 tma.async_copy_global_to_shared(w_desc, [c0, k], bar, wa_smem.index(s))
-                if PAIR:  # (past the chunk's last tile too: the consumers leave those products unused)
-                    tma.async_copy_global_to_shared(w_desc, [c0 + BLOCK_V, k], bar, wb_smem.index(s))
+                # (past a chunk's odd last tile too: the consumers leave those products unused)
+                tma.async_copy_global_to_shared(w_desc, [c0 + BLOCK_V, k], bar, wb_smem.index(s))
                 t += 1
 
 
@@ -387,13 +387,13 @@ def _ws_fold(acc, c0, m, s, w, tz, b_ptr, inv_temp, target, hi, V_local, vocab_s
 def _ws_consumer(h_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr, T,
                  H, V_local, n_chunks, width, vocab_start, real_vocab_size, my_items, pid, num_programs, n_row_blocks,
                  ROW_HALF: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_TEMP: gl.constexpr, WITH_ENTROPY: gl.constexpr,
-                 LOG2_V: gl.constexpr, GROUP_T: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
-                 IN_FLIGHT: gl.constexpr, HALF_ROWS: gl.constexpr, BLOCK_V: gl.constexpr, BLOCK_K: gl.constexpr):
-    """Rows ROW_HALF * HALF_ROWS .. + HALF_ROWS of every item: per tile, the products in ascending k
-    (one wgmma a step from a zero accumulator, as tl.dot's; PAIR: two tiles' wgmmas a step, into
-    two accumulators), then each tile folded in column order (_ws_fold); the states out with
-    _store_states. IN_FLIGHT: a step's wgmmas stay in flight while the next step's are issued (its
-    slot freed one step later), else each step waits for its own."""
+                 LOG2_V: gl.constexpr, GROUP_T: gl.constexpr, STAGES: gl.constexpr, HALF_ROWS: gl.constexpr,
+                 BLOCK_V: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Rows ROW_HALF * HALF_ROWS .. + HALF_ROWS of every item, two tiles at a time (a chunk's odd
+    last tile alone): the products in ascending k, one wgmma per tile and step from a zero
+    accumulator (tl.dot's), a step's wgmmas in flight while the next step's are issued (its slot
+    freed one step later); then the tiles folded in column order (_ws_fold) and the states stored
+    (_store_states)."""
     row_layout: gl.constexpr = gl.SliceLayout(1, _WS_ACC_LAYOUT)
     acc_a = gl.zeros([HALF_ROWS, BLOCK_V], gl.float32, _WS_ACC_LAYOUT)
     acc_b = gl.zeros([HALF_ROWS, BLOCK_V], gl.float32, _WS_ACC_LAYOUT)
@@ -409,9 +409,8 @@ def _ws_consumer(h_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_pt
         s = gl.zeros([HALF_ROWS], gl.float32, row_layout)
         w = gl.zeros([HALF_ROWS], gl.float32, row_layout)
         tz = gl.zeros([HALF_ROWS], gl.float32, row_layout)
-        for c0 in range(lo, hi, (1 + PAIR) * BLOCK_V):  # the chunk's tiles in increasing column order
-            two = PAIR and c0 + BLOCK_V < hi
-            if two:
+        for c0 in range(lo, hi, 2 * BLOCK_V):  # the chunk's tiles in increasing column order
+            if c0 + BLOCK_V < hi:
                 for k in range(0, H, BLOCK_K):
                     st = t % STAGES
                     mbarrier.wait(ready.index(st), (t // STAGES) & 1)
@@ -419,16 +418,11 @@ def _ws_consumer(h_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_pt
                                           is_async=True)
                     acc_b = warpgroup_mma(h_smem.index(st), wb_smem.index(st).permute((1, 0)), acc_b, use_acc=k > 0,
                                           is_async=True)
-                    if IN_FLIGHT:
-                        acc_a, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=(acc_a, acc_b))
-                        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=k > 0)
-                    else:
-                        acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
-                        mbarrier.arrive(empty.index(st), count=1)
+                    acc_a, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=(acc_a, acc_b))
+                    mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=k > 0)
                     t += 1
-                if IN_FLIGHT:
-                    acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
-                    mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
+                acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
+                mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
                 m, s, w, tz = _ws_fold(acc_a, c0, m, s, w, tz, b_ptr, inv_temp, target, hi, V_local, vocab_start,
                                        real_vocab_size, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V)
                 m, s, w, tz = _ws_fold(acc_b, c0 + BLOCK_V, m, s, w, tz, b_ptr, inv_temp, target, hi, V_local,
@@ -439,16 +433,11 @@ def _ws_consumer(h_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_pt
                     mbarrier.wait(ready.index(st), (t // STAGES) & 1)
                     acc_a = warpgroup_mma(h_smem.index(st), wa_smem.index(st).permute((1, 0)), acc_a, use_acc=k > 0,
                                           is_async=True)
-                    if IN_FLIGHT:
-                        acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=k > 0)
-                    else:
-                        acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
-                        mbarrier.arrive(empty.index(st), count=1)
+                    acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
+                    mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=k > 0)
                     t += 1
-                if IN_FLIGHT:
-                    acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
-                    mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
+                acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
+                mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
                 m, s, w, tz = _ws_fold(acc_a, c0, m, s, w, tz, b_ptr, inv_temp, target, hi, V_local, vocab_start,
                                        real_vocab_size, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V)
         _store_states(m_ptr, s_ptr, ent_ptr, tz_ptr, m, s, w, tz, rows, row_ok, target, chunk, n_chunks, lo, hi,
@@ -460,8 +449,7 @@ def _ws_consumer(h_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_pt
 def _chunk_states_ws_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr, T, H, V_local,
                             n_chunks, width, vocab_start, real_vocab_size, num_programs, HAS_BIAS: gl.constexpr,
                             HAS_TEMP: gl.constexpr, WITH_ENTROPY: gl.constexpr, LOG2_V: gl.constexpr,
-                            GROUP_T: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
-                            IN_FLIGHT: gl.constexpr):
+                            GROUP_T: gl.constexpr, STAGES: gl.constexpr):
     """_chunk_states_kernel's forward at 128-row blocks, warp-specialised (see WS_FORWARD): a
     producer warp and two consumer warpgroups of 64 rows, persistent over (row block, chunk) items."""
     HALF_ROWS: gl.constexpr = h_desc.block_type.shape[0]
@@ -473,10 +461,7 @@ def _chunk_states_ws_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_p
     h0_smem = gl.allocate_shared_memory(h_desc.dtype, [STAGES, HALF_ROWS, BLOCK_K], h_desc.layout)
     h1_smem = gl.allocate_shared_memory(h_desc.dtype, [STAGES, HALF_ROWS, BLOCK_K], h_desc.layout)
     wa_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_V, BLOCK_K], w_desc.layout)
-    if PAIR:
-        wb_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_V, BLOCK_K], w_desc.layout)
-    else:
-        wb_smem = wa_smem  # (never read)
+    wb_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_V, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -487,13 +472,13 @@ def _chunk_states_ws_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_p
         (_ws_consumer, (h0_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr,
                         tz_ptr, T, H, V_local, n_chunks, width, vocab_start, real_vocab_size, my_items, pid,
                         num_programs, n_row_blocks, 0, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V, GROUP_T, STAGES,
-                        PAIR, IN_FLIGHT, HALF_ROWS, BLOCK_V, BLOCK_K)),
+                        HALF_ROWS, BLOCK_V, BLOCK_K)),
         (_ws_consumer, (h1_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr,
                         tz_ptr, T, H, V_local, n_chunks, width, vocab_start, real_vocab_size, my_items, pid,
                         num_programs, n_row_blocks, 1, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V, GROUP_T, STAGES,
-                        PAIR, IN_FLIGHT, HALF_ROWS, BLOCK_V, BLOCK_K)),
+                        HALF_ROWS, BLOCK_V, BLOCK_K)),
         (_ws_producer, (h_desc, w_desc, h0_smem, h1_smem, wa_smem, wb_smem, ready, empty, my_items, pid,
-                        num_programs, n_row_blocks, n_chunks, width, V_local, H, GROUP_T, STAGES, PAIR)),
+                        num_programs, n_row_blocks, n_chunks, width, V_local, H, GROUP_T, STAGES)),
     ], [4, 1], [WS_CONSUMER_REGISTERS, WS_PRODUCER_REGISTERS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -707,11 +692,8 @@ def _launch_ws(hidden, weight, args: dict, n_chunks: int, **outputs) -> None:
     if args["BLOCK_V"] != WS_BLOCK_V:
         raise ValueError(f"TILE_CONFIGS: the warp-specialised forward folds {WS_BLOCK_V}-column tiles (one wgmma "
                          f"accumulator), got block_v={args['BLOCK_V']}; set WS_FORWARD = False to run another")
-    if args["HAS_BIAS"] and not WS_PAIR:
-        raise ValueError("WS_PAIR = False with a bias: Triton 3.6 fails to lower that kernel (an LLVM assertion in "
-                         "ConvertTritonGPUToLLVM); set WS_PAIR = True, or WS_FORWARD = False for the tl kernel")
     block_k = args["BLOCK_K"]
-    shared = WS_STAGES * (2 * HALF + (1 + WS_PAIR) * WS_BLOCK_V) * block_k * hidden.element_size()
+    shared = WS_STAGES * (2 * HALF + 2 * WS_BLOCK_V) * block_k * hidden.element_size()
     if shared > SHARED_BYTES:
         raise ValueError(f"WS_STAGES = {WS_STAGES}: the ring's {shared} bytes exceed the {SHARED_BYTES} bytes of "
                          "shared memory of a Hopper SM")
@@ -720,7 +702,7 @@ def _launch_ws(hidden, weight, args: dict, n_chunks: int, **outputs) -> None:
     kernel_args = {k: v for k, v in args.items() if k not in ("UPCAST", "BLOCK_V", "BLOCK_K", "num_stages")}
     _chunk_states_ws_kernel[(programs,)](
         gluon_descriptor(hidden, [HALF, block_k]), gluon_descriptor(weight, [WS_BLOCK_V, block_k]), **kernel_args,
-        **outputs, num_programs=programs, STAGES=WS_STAGES, PAIR=WS_PAIR, IN_FLIGHT=WS_IN_FLIGHT, num_warps=4)
+        **outputs, num_programs=programs, STAGES=WS_STAGES, num_warps=4)
 
 
 def _head_logits(hidden, weight, width):
