@@ -307,9 +307,10 @@ def _store_states(m_ptr, s_ptr, ent_ptr, tz_ptr, m, s, w, tz, rows, row_ok, targ
 WS_BLOCK_V = 128
 _WS_ACC_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, WS_BLOCK_V, 16]))
-# The tree's last three levels pair columns that the accumulator spreads over a row's quad of
-# threads: the last eight partial sums of every row go to each thread of its quad first (rows r and
-# r + 8 a thread, 8 rows a warp's lanes, 16 a warp), as Triton's tl kernel converts its own tile.
+# The tree's last three levels pair columns that the accumulator spreads over the four threads (a
+# quad) holding a row: the last eight partial sums of every row go to each thread of its quad first
+# (as in the accumulator, a thread holds rows r and r + 8, a warp 16 rows), as Triton's tl kernel
+# converts its own tile.
 _WS_LAST_LEVELS = gl.constexpr(3)
 _WS_ROW_QUAD = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
