@@ -30,7 +30,7 @@
 #   attention   benchmarks/bench_attention.py (tables $ATTENTION_TABLES, default training,prefill,decode)
 #   sweep_attention benchmarks/sweep_attention.py (attention forward: tile, load schedule x stages, bitwise-checked;
 #               entries $SWEEP_ENTRIES, default decode,prefill)
-#   sweep_logp  benchmarks/sweep_logp.py (linear-logp forwards: the tl kernel, the Gluon one's options; T = 256, 4096)
+#   sweep_logp  benchmarks/sweep_logp.py (linear-logp forwards: the tl kernel, the Gluon one's stages; T = 256, 4096)
 #   sweep_logp_each  the same, each candidate of $SWEEP_EACH in its own process under a timeout (a hung kernel costs
 #               one candidate, not the call)
 #   logp        benchmarks/bench_logp.py (kernels.py's linear-logp section alone)

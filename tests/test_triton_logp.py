@@ -8,7 +8,8 @@ equals the unsharded one bit for bit; the chunk states agree with the torch refe
 kernel agrees with the reference merge and follows its tree order; the custom ops pass opcheck.
 GPU tier (@pytest.mark.gpu, Qwen3's LM head in bf16): row 0 is the same bits at T = 1, 64 and 4096;
 logp, entropy and gradients agree with an fp32 computation; the merge kernel equals the torch merge
-bit for bit.
+bit for bit; the warp-specialised Gluon forward gives the tl kernel's bits; CUDA graphs capture
+both forwards.
 """
 import os
 import socket
