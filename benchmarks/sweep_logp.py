@@ -39,7 +39,7 @@ def _use(ws_stages) -> None:
 def main() -> None:
     K.set_backend("triton")
     w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
-    # SWEEP_CANDIDATES=0,4: only those (indices into CANDIDATES); SWEEP_ENTROPY=0: check the bits without entropy
+    # SWEEP_CANDIDATES=0,2: only those (indices into CANDIDATES); SWEEP_ENTROPY=0: check the bits without entropy
     every = ",".join(map(str, range(len(CANDIDATES))))
     picked = [CANDIDATES[int(i)] for i in os.environ.get("SWEEP_CANDIDATES", every).split(",")]
     entropy = os.environ.get("SWEEP_ENTROPY", "1") == "1"
