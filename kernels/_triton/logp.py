@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
 from lockstep.kernels._triton._tma import aligned_empty
-from lockstep.kernels._triton.splitk_ws import HALF, SHARED_BYTES, gluon_descriptor
+from lockstep.kernels._triton.splitk_ws import HALF, SHARED_BYTES, gluon_descriptor, invalidate_ring, ring_barriers
 from lockstep.kernels.logp import ChunkStates, LinearLogpOutput, torch_merge_states
 
 # ------------------------------------------------------------------------------------------------
@@ -123,13 +123,19 @@ MERGE_STATES_PER_PROGRAM = 4096
 
 @triton.jit
 def _program_tile(n_row_blocks, n_col_tiles, GROUP_T: tl.constexpr):
-    """(row block, column tile) of this program. GROUP_T row blocks sweep the column tiles side by
-    side, so the programs running at once share their hidden rows and weight rows in L2."""
-    pid = tl.program_id(0)
+    """(row block, column tile) of this program (_grouped_tile of its id)."""
+    return _grouped_tile(tl.program_id(0), n_row_blocks, n_col_tiles, GROUP_T)
+
+
+@triton.jit
+def _grouped_tile(index, n_row_blocks, n_col_tiles, GROUP_T: tl.constexpr):
+    """(row block, column tile) of work item `index`. GROUP_T row blocks sweep the column tiles side
+    by side, so the programs running at once share their hidden rows and weight rows in L2. (Also
+    the Gluon forward's order over its persistent items.)"""
     per_group = GROUP_T * n_col_tiles
-    first = (pid // per_group) * GROUP_T
+    first = (index // per_group) * GROUP_T
     size = tl.minimum(n_row_blocks - first, GROUP_T)
-    idx = pid % per_group
+    idx = index % per_group
     return first + idx % size, idx // size
 
 
@@ -334,17 +340,6 @@ def _ws_tree_sum(x, LOG2_N: gl.constexpr):
 
 
 @gluon.jit
-def _ws_item(local, pid, num_programs, n_row_blocks, n_chunks, GROUP_T: gl.constexpr):
-    """(row block, chunk) of this persistent program's `local`-th item, in _program_tile's order."""
-    item = pid + local * num_programs
-    per_group = GROUP_T * n_chunks
-    first = (item // per_group) * GROUP_T
-    size = gl.minimum(n_row_blocks - first, GROUP_T)
-    idx = item % per_group
-    return first + idx % size, idx // size
-
-
-@gluon.jit
 def _ws_producer(h_desc, w_desc, h0_smem, h1_smem, wa_smem, wb_smem, ready, empty, my_items, pid, num_programs,
                  n_row_blocks, n_chunks, width, V_local, H, GROUP_T: gl.constexpr, STAGES: gl.constexpr):
     """Every (item, pair of tiles, k step) of the program in order: the TMA loads of the row block's
@@ -355,7 +350,7 @@ def _ws_producer(h_desc, w_desc, h0_smem, h1_smem, wa_smem, wb_smem, ready, empt
     BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
     t = 0
     for local in range(my_items):
-        row_block, chunk = _ws_item(local, pid, num_programs, n_row_blocks, n_chunks, GROUP_T)
+        row_block, chunk = _grouped_tile(pid + local * num_programs, n_row_blocks, n_chunks, GROUP_T)
         lo = chunk * width
         hi = gl.minimum(lo + width, V_local)
         for c0 in range(lo, hi, 2 * BLOCK_V):
@@ -400,7 +395,7 @@ def _ws_consumer(h_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_pt
     acc_b = gl.zeros([HALF_ROWS, BLOCK_V], gl.float32, _WS_ACC_LAYOUT)
     t = 0
     for local in range(my_items):
-        row_block, chunk = _ws_item(local, pid, num_programs, n_row_blocks, n_chunks, GROUP_T)
+        row_block, chunk = _grouped_tile(pid + local * num_programs, n_row_blocks, n_chunks, GROUP_T)
         rows = row_block * 2 * HALF_ROWS + ROW_HALF * HALF_ROWS + gl.arange(0, HALF_ROWS, layout=row_layout)
         row_ok = rows < T
         inv_temp, target = _row_values(temp_ptr, tgt_ptr, rows, row_ok, vocab_start, HAS_TEMP)
@@ -463,11 +458,7 @@ def _chunk_states_ws_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_p
     h1_smem = gl.allocate_shared_memory(h_desc.dtype, [STAGES, HALF_ROWS, BLOCK_K], h_desc.layout)
     wa_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_V, BLOCK_K], w_desc.layout)
     wb_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_V, BLOCK_K], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    ready, empty = ring_barriers(STAGES)
     # (the argument tuples are written out in the call: a tuple variable loses their constexprs)
     gl.warp_specialize([
         (_ws_consumer, (h0_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr,
@@ -481,9 +472,7 @@ def _chunk_states_ws_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_p
         (_ws_producer, (h_desc, w_desc, h0_smem, h1_smem, wa_smem, wb_smem, ready, empty, my_items, pid,
                         num_programs, n_row_blocks, n_chunks, width, V_local, H, GROUP_T, STAGES)),
     ], [4, 1], [WS_CONSUMER_REGISTERS, WS_PRODUCER_REGISTERS])
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    invalidate_ring(ready, empty, STAGES)
 
 
 @triton.jit

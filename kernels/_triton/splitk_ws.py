@@ -41,6 +41,25 @@ CONSUMER_REGISTERS = gl.constexpr(232)
 
 
 @gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """The (ready, empty) mbarriers of a STAGES-slot ring between one producer and two consumer
+    warpgroups: a slot is ready once the producer's loads land, empty once both consumers freed it."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    return ready, empty
+
+
+@gluon.jit
+def invalidate_ring(ready, empty, STAGES: gl.constexpr):
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+@gluon.jit
 def _tile_of(local, pid, num_programs, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
     """(row tile, column tile) of this program's `local`-th tile, in splitk's grouped order."""
     tile = pid + local * num_programs
@@ -136,11 +155,7 @@ def _row_tree_ws_kernel(x_desc, w_desc, out_ptr, M, N, K_CHUNK, K_PAD, stride_o,
     x0_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, ROWS, BLOCK_K], x_desc.layout)
     x1_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, ROWS, BLOCK_K], x_desc.layout)
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    ready, empty = ring_barriers(STAGES)
     quad_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], gl.float32)
     quad0 = gl.allocate_shared_memory(gl.float32, [ROWS, BLOCK_N], quad_layout)
     quad1 = gl.allocate_shared_memory(gl.float32, [ROWS, BLOCK_N], quad_layout)
@@ -153,9 +168,7 @@ def _row_tree_ws_kernel(x_desc, w_desc, out_ptr, M, N, K_CHUNK, K_PAD, stride_o,
         (_producer, (x_desc, w_desc, x0_smem, x1_smem, w_smem, ready, empty, my_tiles, pid, num_programs, steps,
                      num_pid_m, num_pid_n, K_PAD, CHUNKS, GROUP_M, STAGES)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    invalidate_ring(ready, empty, STAGES)
 
 
 def gluon_layout(block: list[int], dtype: torch.dtype = torch.bfloat16) -> gl.NVMMASharedLayout:
