@@ -1,14 +1,18 @@
 """Tuning sweep for the Triton attention forward on the GPU at hand (bf16, Qwen3-8B heads).
 
-    python benchmarks/sweep_attention.py [--entries decode,prefill]
+    python benchmarks/sweep_attention.py [--entries decode,prefill,prefill_linear,bwd_dkdv,bwd_dq]
 
 Decode (one query per request, 16-token pages in random order) at the rollout workload's shape
-(batch 128, 600 keys) and at the decode table's corners, and a 4k-token prefill: every candidate
-of kernels/_triton/attention.py's TUNING entry (num_stages x PREFETCH, the K/V load schedule; for
-decode also the swapped or padded tile and the programs per SM) is checked bitwise against the
-current table first, then timed with CUDA-graph replay. Tuning changes no bit (every candidate's
-dots are wgmma, whose elements do not depend on the tile's shape or operand order); a candidate
-that changes one is reported and never a winner.
+(batch 128, 600 keys) and at the decode table's corners, a 4k-token prefill (paged), and training's
+forward and backward (varlen, 4 x 4,096 packed tokens, as bench_attention.py's training row): every
+candidate of kernels/_triton/attention.py's TUNING entry (num_stages x PREFETCH x TMA, the K/V load
+schedule; for decode also the swapped or padded tile and the programs per SM) is checked bitwise
+against the current table first, then timed (CUDA-graph replay for the forward, CUDA events for the
+backward, whose launcher reads the sequence lengths on the host). Forward tuning changes no bit
+(every candidate's dots are wgmma, whose elements do not depend on the tile's shape or operand
+order); a candidate that changes one is reported and never a winner. Backward tiles set the order
+of the gradient sums, so a backward candidate's gradients are checked against the current table's
+to a bf16 tolerance instead (and for determinism: two calls, the same bits).
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import math
 import torch
 import triton
 
-from _harness import graph_ms_per_call
+from _harness import graph_ms_per_call, measure
 import lockstep.kernels as K
 from lockstep.kernels._triton import attention as A
 
@@ -30,6 +34,17 @@ PREFILL = [4096]
 CANDIDATES = {
     "prefill": [dict(num_stages=s, PREFETCH=p) for p, stages in ((False, (2, 3, 4)), (True, (1, 3))) for s in stages],
     # (swapped tiles with num_stages=1 faulted on the H200, Triton 3.6: the launcher refuses them)
+    # TMA: the blocks before a tile's last through descriptors, pipelined over num_stages
+    "prefill_linear": [dict(TMA=True, PREFETCH=False, num_stages=s) for s in (2, 3, 4)]
+    + [dict(TMA=False, PREFETCH=True, num_stages=1), dict(TMA=False, PREFETCH=False, num_stages=3)],
+    # one program per BLOCK_KV keys looping over BLOCK_Q-row query tiles / one per BLOCK_Q rows over
+    # BLOCK_KV-key blocks
+    "bwd_dkdv": [dict(BLOCK_KV=kv, BLOCK_Q=bq, num_warps=w, num_stages=st)
+                 for kv, bq, w, st in ((64, 64, 4, 3), (128, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 3),
+                                       (128, 64, 4, 2), (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 8, 3))],
+    "bwd_dq": [dict(BLOCK_Q=bq, BLOCK_KV=kv, num_warps=w, num_stages=st)
+               for bq, kv, w, st in ((128, 64, 4, 3), (128, 32, 4, 4), (128, 32, 8, 3), (64, 64, 4, 3),
+                                     (128, 128, 8, 2), (64, 32, 4, 4), (128, 64, 8, 4))],
     "decode": [dict(SWAP=False, num_stages=3, PREFETCH=False, PROGRAMS_PER_SM=4)]
     + [dict(SWAP=True, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (2, 3, 4) for n in (2, 4)]
     + [dict(SWAP=True, num_stages=3, PREFETCH=True, PROGRAMS_PER_SM=4)],
@@ -48,25 +63,57 @@ def _case(batch: int, context: int, queries: int):
     return lambda: K.paged_attention(q, k_cache, v_cache, table, seq_lens, qsl, 1 / math.sqrt(D), queries, context)
 
 
+def _training_case(tokens: int = 4 * 4096, seq: int = 4096):
+    """(forward, backward) of varlen attention on `tokens` packed tokens in sequences of `seq`: the
+    forward returns its output; the backward returns (dq, dk, dv) for a fixed output gradient."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v, grad = r(tokens, HEADS, D), r(tokens, KV_HEADS, D), r(tokens, KV_HEADS, D), r(tokens, HEADS, D)
+    cu = torch.arange(0, tokens + 1, seq, device="cuda", dtype=torch.int32)
+    scale = 1 / math.sqrt(D)
+    out, lse = torch.ops.lockstep.varlen_attention(q, k, v, cu, scale)
+    return (lambda: torch.ops.lockstep.varlen_attention(q, k, v, cu, scale)[0],
+            lambda: torch.ops.lockstep.varlen_attention_backward(grad, q, k, v, cu, out, lse, scale))
+
+
+def _close(got, want) -> bool:
+    """Gradients from another summation order: within bf16 rounding of the table's (relative to
+    each tensor's largest entry), and deterministic."""
+    return all((a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max() for a, b in zip(got, want))
+
+
 def sweep(entry: str, name: str, fn) -> None:
+    """Every candidate of TUNING[entry] on fn; forward entries must give the table's bits, backward
+    ones gradients close to the table's (and the same bits twice)."""
+    backward = entry.startswith("bwd")
+    timer = (lambda f: measure(f).ms * 1e3) if backward else (lambda f: graph_ms_per_call(f) * 1e3)
     default = dict(A.TUNING[entry])
     want = fn()
-    base = graph_ms_per_call(fn) * 1e3
+    base = timer(fn)
     scored = []
     for cand in CANDIDATES[entry]:
         A.TUNING[entry] = {**default, **cand}
         try:
-            same = torch.equal(fn(), want)
-            us = graph_ms_per_call(fn) * 1e3
+            got = fn()
+            if backward:
+                again = fn()
+                same = _close(got, want) and all(torch.equal(a, b) for a, b in zip(got, again))
+            else:
+                same = torch.equal(got, want)
+            us = timer(fn)
         except Exception as e:  # noqa: BLE001 - a candidate that does not compile is not a winner
             print(f"  {entry} {name} {cand}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
             continue
         finally:
             A.TUNING[entry] = default
-        print(f"  {entry} {name} {cand}: {us:.1f} us ({base / us:.3f}x the current table){'' if same else ' BITS DIFFER'}",
+        bad = " GRADIENTS DIFFER" if backward else " BITS DIFFER"
+        print(f"  {entry} {name} {cand}: {us:.1f} us ({base / us:.3f}x the current table){'' if same else bad}",
               flush=True)
         if same:
             scored.append((us, cand))
+    if not scored:
+        print(f"BEST {entry} {name}: no candidate passed its check", flush=True)
+        return
     us, best = min(scored, key=lambda t: t[0])
     print(f"BEST {entry} {name}: {best} {us:.1f} us vs current {base:.1f} us ({base / us:.3f}x)", flush=True)
 
@@ -75,9 +122,19 @@ def main() -> None:
     import argparse
 
     p = argparse.ArgumentParser()
-    p.add_argument("--entries", default="decode,prefill", help="TUNING entries to sweep (decode, prefill)")
+    p.add_argument("--entries", default="decode,prefill", help="TUNING entries to sweep (decode, prefill, "
+                   "prefill_linear, bwd_dkdv, bwd_dq)")
     entries = p.parse_args().entries.split(",")
+    unknown = set(entries) - set(CANDIDATES)
+    if unknown:
+        raise SystemExit(f"sweep_attention: no candidates for {sorted(unknown)}; entries: {sorted(CANDIDATES)}")
     with K.using_backend("triton"):
+        forward, backward = _training_case()
+        if "prefill_linear" in entries:
+            sweep("prefill_linear", "training forward, 4 x 4,096 packed", forward)
+        for entry in ("bwd_dkdv", "bwd_dq"):
+            if entry in entries:
+                sweep(entry, "training backward, 4 x 4,096 packed", backward)
         if "decode" in entries:
             for batch, context in DECODE:
                 sweep("decode", f"batch {batch} x {context} keys", _case(batch, context, 1))

@@ -277,6 +277,12 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
         monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], **decode_tiles})
         assert torch.equal(K.varlen_attention(q, k, v, cu), ref)
         assert torch.equal(K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last), decode)
+    # over a linear K/V (this packed one takes the TMA route), the blocks through descriptors or loads
+    assert triton_backend._descriptors(triton_backend._varlen_layout(q, k, v, cu)[1])[0] is not None
+    for linear in (dict(TMA=False, PREFETCH=True, num_stages=1), dict(TMA=False, PREFETCH=False, num_stages=2),
+                   dict(TMA=True, num_stages=2)):
+        monkeypatch.setitem(triton_backend.TUNING, "prefill_linear", {**triton_backend.TUNING["prefill_linear"], **linear})
+        assert torch.equal(K.varlen_attention(q, k, v, cu), ref), linear
     # decode programs per sequence: one walking all 3 chunks, merging in registers (0 asks for none: at
     # least one), or one per chunk, merging the stored states
     for per_sm in (0, 64):
@@ -295,14 +301,19 @@ POINTEE = {"lse": "fp32", "tickets": "i32", "part_m": "fp32", "part_l": "fp32", 
 types = lambda n: "fp32" if n == "qk_scale" else "i32" if n in INTS else "*" + POINTEE.get(n, "bf16")
 common = dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK)
 cfg = A.TUNING["prefill"]
-prefill = compile_sm90(A._prefill_kernel, types, dict(BLOCK_Q=cfg["BLOCK_Q"], PREFETCH=cfg["PREFETCH"], FROM_LENS=True, **common),
-                       cfg["num_warps"], cfg["num_stages"])
+prefill = compile_sm90(A._prefill_kernel, types, dict(BLOCK_Q=cfg["BLOCK_Q"], PREFETCH=cfg["PREFETCH"], FROM_LENS=True,
+                       TMA=False, k_desc=None, v_desc=None, **common), cfg["num_warps"], cfg["num_stages"])
+cfg = A.TUNING["prefill_linear"]
+desc = f"tensordesc<bf16[{A.KV_BLOCK}, 128]>"
+linear = compile_sm90(A._prefill_kernel, lambda n: desc if n.endswith("_desc") else types(n),
+                      dict(BLOCK_Q=cfg["BLOCK_Q"], PREFETCH=cfg["PREFETCH"], FROM_LENS=False, TMA=cfg["TMA"], **common),
+                      cfg["num_warps"], cfg["num_stages"])
 cfg = A.TUNING["decode"]
 decode = {f"{'swapped' if swap else 'padded'}{' in registers' if r else ''}":
           compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=16 if swap else cfg["MIN_ROWS"], MERGE_ROWS=4,
                        IN_REGISTERS=r, FROM_LENS=True, PREFETCH=cfg["PREFETCH"], SWAP=swap, **common),
                        cfg["num_warps"], cfg["num_stages"]) for swap in (True, False) for r in (False, True)}
-print(json.dumps([prefill, decode]))
+print(json.dumps([prefill, linear, decode]))
 """
 
 
@@ -315,8 +326,10 @@ def test_decode_and_prefill_multiply_with_wgmma():
     kernel spills, and the swapped ones hold far fewer registers (more programs per SM)."""
     from sm90 import probe
 
-    prefill, decode = probe(_MMA_PROBE)
+    prefill, linear, decode = probe(_MMA_PROBE)
     assert {version for version, _ in prefill["mma"]} == {"3"}, f"expected wgmma (MMA v3) only, got {prefill['mma']}"
+    # over a linear K/V (TMA loads) the prefill tile runs the same instructions, without spilling
+    assert linear["mma"] == prefill["mma"] and linear["spill_bytes"] == 0, (linear, prefill)
     for name, d in decode.items():
         assert {version for version, _ in d["mma"]} == {"3"}, f"decode ({name}) MMAs {d['mma']}"
         assert d["spill_bytes"] == 0, (name, d)

@@ -38,7 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep.kernels._triton._device import resident_programs
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
+from lockstep.kernels._triton._device import INTERPRETING, resident_programs
 
 # ==== configuration ================================================================================
 # Numerics: part of the contract between trainer and rollout. Launchers read these at call time, so
@@ -60,6 +63,9 @@ TUNING = {
     # ahead into registers (PREFETCH; 255 registers, 8 B spilled): 1.16x the pipeliner's 3 stages on a
     # 4k prompt (H200, benchmarks/sweep_attention.py, RESULTS.md)
     "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True),
+    # the same over a linear K/V (training's packed or padded one): TMA (on GPUs that have it) brings
+    # every block but a tile's last through a descriptor, pipelined by Triton over num_stages
+    "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
     # group's query heads; the last of them to finish merges the chunk states, or with P = 1 the one
     # program merges in registers. SWAP: the dots run with their operands swapped, the heads as the
@@ -241,20 +247,37 @@ def _merge(m, l, acc, m_c, l_c, acc_c, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
-               ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
-               PREFETCH: tl.constexpr, SWAP: tl.constexpr):
+def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale, k_desc, v_desc,
+               desc_row, desc_col, ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr,
+               KV_CHUNK: tl.constexpr, PREFETCH: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr):
     """State of rows `q` (positions `pos`, largest `hi`) over all their keys, merged chunk by chunk:
     _chunk_state's folds and _merge's chunk merges in one software-pipelined loop over the blocks (a
     loop per chunk would restart the pipeline at every chunk). The chunk state folds blocks in
     increasing order from empty and merges into the running state at the chunk's last block (or
     the last block that holds keys), in chunk order: the same operations in the same order.
     PREFETCH (speed only): load each block's K/V one block ahead into registers, instead of leaving
-    the load schedule to Triton's pipeliner."""
+    the load schedule to Triton's pipeliner.
+    TMA (speed only; a linear K/V, whose key at position p is row desc_row + p of the descriptors,
+    its head at column desc_col): every block before the last, whose keys all lie at or before
+    `hi`, comes whole through a TMA descriptor (the pipeliner's asynchronous copies into shared
+    memory, where the MMA reads it); the last block as without TMA, its keys past `hi` masked to
+    zeros. Every block's K/V hold the same values either way."""
     m, _, acc = _empty_state(ROWS, D, SWAP)
     l = tl.zeros((ROWS,), tl.float32)  # the running state's row sums: a vector (a chunk's are its dot's tile)
     m_c, l_c, acc_c = _empty_state(ROWS, D, SWAP)
     last = hi // KV_BLOCK
+    if TMA:
+        for blk in range(0, last):
+            kb = k_desc.load([desc_row + blk * KV_BLOCK, desc_col])
+            vb = v_desc.load([desc_row + blk * KV_BLOCK, desc_col])
+            key_pos = blk * KV_BLOCK + tl.arange(0, KV_BLOCK)
+            m_c, l_c, acc_c = _fold_block(q, kb, vb, key_pos, pos, m_c, l_c, acc_c, qk_scale, KV_BLOCK, SWAP)
+            if (blk + 1) % (KV_CHUNK // KV_BLOCK) == 0:
+                m, l, acc = _merge(m, l, acc, m_c, _row_max(l_c, SWAP), acc_c, SWAP)
+                m_c, l_c, acc_c = _empty_state(ROWS, D, SWAP)
+        kb, vb, key_pos = _block_kv(k, v, page_row, last, hi, page_size, stride_page, stride_slot, KV_BLOCK, D)
+        m_c, l_c, acc_c = _fold_block(q, kb, vb, key_pos, pos, m_c, l_c, acc_c, qk_scale, KV_BLOCK, SWAP)
+        return _merge(m, l, acc, m_c, _row_max(l_c, SWAP), acc_c, SWAP)
     if PREFETCH:
         kb_n, vb_n, key_n = _block_kv(k, v, page_row, 0, hi, page_size, stride_page, stride_slot, KV_BLOCK, D)
     for blk in range(0, last + 1):
@@ -284,10 +307,12 @@ def _store_rows(out, lse, idx, keep, m, l, acc, D: tl.constexpr, SWAP: tl.conste
 
 @triton.jit
 def _prefill_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stride_table, page_size,
-                    stride_page, stride_head, stride_slot, n_heads, qk_scale, min_queries,
+                    stride_page, stride_head, stride_slot, n_heads, qk_scale, min_queries, k_desc, v_desc,
                     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
                     KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr, PREFETCH: tl.constexpr,
-                    FROM_LENS: tl.constexpr):
+                    FROM_LENS: tl.constexpr, TMA: tl.constexpr):
+    """Query tiles of BLOCK_Q rows of sequences with at least min_queries queries. TMA: K/V are
+    linear (a page per sequence, page p at row p * stride_page // stride_slot of k_desc/v_desc)."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest tiles (latest queries) start first
     kv_head, seq = tl.program_id(1), tl.program_id(2)
     begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
@@ -300,9 +325,13 @@ def _prefill_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stri
     pos = _query_pos(q_pos, tok, rows, seq, n_queries, GROUP, FROM_LENS)
     hi = tl.max(pos, 0)
     page_row = page_table + seq * stride_table
+    desc_row = 0
+    if TMA:
+        desc_row = tl.load(page_row) * (stride_page // stride_slot)
     k, v = k + kv_head * stride_head, v + kv_head * stride_head
     m, l, acc = _row_state(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
-                           BLOCK_Q, D, KV_BLOCK, KV_CHUNK, PREFETCH, False)
+                           k_desc, v_desc, desc_row, kv_head * D, BLOCK_Q, D, KV_BLOCK, KV_CHUNK, PREFETCH,
+                           False, TMA)
     _store_rows(out, lse, idx, rows < n_queries * GROUP, m, l, acc, D, False)
 
 
@@ -340,7 +369,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     k, v, page_row = k + kv_head * stride_head, v + kv_head * stride_head, page_table + seq * stride_table
     if IN_REGISTERS:
         m, l, acc = _row_state(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
-                               ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH, SWAP)
+                               None, None, 0, 0, ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH, SWAP, False)
         _store_rows(out, lse, tok * n_heads + head, keep, m, l, acc, D, SWAP)
         return
     for chunk in range(p, n_need, n_programs):
@@ -560,13 +589,37 @@ def _forward(queries: _Queries, keys: _Keys, scale: float, decode: bool) -> tupl
     if decode:
         _decode(queries, keys, out, lse, group, qk_scale)
     if queries.max_count > 1 or not decode:
-        cfg = TUNING["prefill"]
+        linear = keys.page_size == _LINEAR_PAGE
+        cfg = TUNING["prefill_linear" if linear else "prefill"]
+        descs = _descriptors(keys) if linear and cfg.get("TMA") else (None, None)
         tiles = triton.cdiv(queries.max_count * group, cfg["BLOCK_Q"])
         _prefill_kernel[(tiles, keys.n_heads, n_seqs)](
-            q, keys.k, keys.v, out, lse, *seq_args, 2 if decode else 1, GROUP=group, D=d,
+            q, keys.k, keys.v, out, lse, *seq_args, 2 if decode else 1, *descs, GROUP=group, D=d,
             BLOCK_Q=cfg["BLOCK_Q"], KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, PREFETCH=cfg["PREFETCH"],
-            FROM_LENS=queries.from_lens, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            FROM_LENS=queries.from_lens, TMA=descs[0] is not None, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
     return out, lse
+
+
+def _tma_capable(t: torch.Tensor) -> bool:
+    """TMA descriptors: Hopper or later, or the interpreter (which emulates them)."""
+    return INTERPRETING or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9)
+
+
+def _descriptors(keys: _Keys) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
+    """TMA descriptors of a linear K/V as [rows, kv heads * D] matrices of KV_BLOCK x D blocks (the
+    key at position p of page r is row r * stride_page // stride_slot + p), or (None, None) where
+    TMA cannot take it: no TMA on this device, or a layout it cannot address (head dims not
+    contiguous, or a row stride not 16-byte aligned)."""
+    k, v = keys.k, keys.v
+    d = k.shape[-1]
+    width = keys.n_heads * d
+    if not (_tma_capable(k) and keys.stride_head == d and keys.stride_slot == width
+            and keys.stride_page % keys.stride_slot == 0 and k.is_contiguous() and v.is_contiguous()
+            and is_aligned(k) and is_aligned(v) and (width * k.element_size()) % ALIGN_BYTES == 0):
+        return None, None
+    rows = k.numel() // width
+    return tuple(TensorDescriptor(t, [rows, width], [width, 1], [KV_BLOCK, d]) for t in (k, v))
 
 
 def decode_swapped(head_dim: int) -> bool:
