@@ -7,8 +7,8 @@ Decode (one query per request, 16-token pages in random order) at the rollout wo
 forward and backward (varlen, 4 x 4,096 packed tokens, as bench_attention.py's training row): every
 candidate of kernels/_triton/attention.py's TUNING entry (num_stages x PREFETCH x TMA, the K/V load
 schedule; for decode also the swapped or padded tile and the programs per SM) is checked bitwise
-against the current table first, then timed (CUDA-graph replay for the forward, CUDA events for the
-backward, whose launcher reads the sequence lengths on the host). Forward tuning changes no bit
+against the current table first, then timed (CUDA-graph replay for paged calls, CUDA events for training's
+varlen ones, whose launchers read the sequence lengths on the host). Forward tuning changes no bit
 (every candidate's dots are wgmma, whose elements do not depend on the tile's shape or operand
 order); a candidate that changes one is reported and never a winner. Backward tiles set the order
 of the gradient sums, so a backward candidate's gradients are checked against the current table's
@@ -40,11 +40,13 @@ CANDIDATES = {
     # one program per BLOCK_KV keys looping over BLOCK_Q-row query tiles / one per BLOCK_Q rows over
     # BLOCK_KV-key blocks
     "bwd_dkdv": [dict(BLOCK_KV=kv, BLOCK_Q=bq, num_warps=w, num_stages=st)
-                 for kv, bq, w, st in ((64, 64, 4, 3), (128, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 3),
-                                       (128, 64, 4, 2), (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 8, 3))],
-    "bwd_dq": [dict(BLOCK_Q=bq, BLOCK_KV=kv, num_warps=w, num_stages=st)
-               for bq, kv, w, st in ((128, 64, 4, 3), (128, 32, 4, 4), (128, 32, 8, 3), (64, 64, 4, 3),
-                                     (128, 128, 8, 2), (64, 32, 4, 4), (128, 64, 8, 4))],
+                 for kv, bq, w, st in ((64, 64, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 3),
+                                       (64, 32, 4, 4), (64, 32, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3))],
+    # TMA: the blocks before a tile's last through descriptors
+    "bwd_dq": [dict(BLOCK_Q=bq, BLOCK_KV=kv, num_warps=w, num_stages=st, TMA=tma)
+               for bq, kv, w, st, tma in ((128, 64, 8, 3, False), (64, 32, 4, 4, False), (64, 32, 4, 4, True),
+                                          (64, 32, 4, 3, True), (64, 64, 4, 3, True), (64, 64, 4, 4, True),
+                                          (128, 64, 8, 3, True), (128, 32, 4, 4, True), (128, 64, 8, 2, True))],
     "decode": [dict(SWAP=False, num_stages=3, PREFETCH=False, PROGRAMS_PER_SM=4)]
     + [dict(SWAP=True, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (2, 3, 4) for n in (2, 4)]
     + [dict(SWAP=True, num_stages=3, PREFETCH=True, PROGRAMS_PER_SM=4)],
@@ -86,7 +88,9 @@ def sweep(entry: str, name: str, fn) -> None:
     """Every candidate of TUNING[entry] on fn; forward entries must give the table's bits, backward
     ones gradients close to the table's (and the same bits twice)."""
     backward = entry.startswith("bwd")
-    timer = (lambda f: measure(f).ms * 1e3) if backward else (lambda f: graph_ms_per_call(f) * 1e3)
+    # the varlen launchers read the sequence lengths on the host: no CUDA graph for training's calls
+    eager = backward or entry == "prefill_linear"
+    timer = (lambda f: measure(f).ms * 1e3) if eager else (lambda f: graph_ms_per_call(f) * 1e3)
     default = dict(A.TUNING[entry])
     want = fn()
     base = timer(fn)

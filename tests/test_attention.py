@@ -278,7 +278,7 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
         assert torch.equal(K.varlen_attention(q, k, v, cu), ref)
         assert torch.equal(K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last), decode)
     # over a linear K/V (this packed one takes the TMA route), the blocks through descriptors or loads
-    assert triton_backend._descriptors(triton_backend._varlen_layout(q, k, v, cu)[1])[0] is not None
+    assert triton_backend._descriptors(triton_backend._varlen_layout(q, k, v, cu)[1], 16)[0] is not None
     for linear in (dict(TMA=False, PREFETCH=True, num_stages=1), dict(TMA=False, PREFETCH=False, num_stages=2),
                    dict(TMA=True, num_stages=2)):
         monkeypatch.setitem(triton_backend.TUNING, "prefill_linear", {**triton_backend.TUNING["prefill_linear"], **linear})
