@@ -33,6 +33,7 @@ PREFILL = [4096]
 # for and FLAT (the swapped tiles alone: the padded ones and PREFETCH lost on this GPU before).
 CANDIDATES = {
     "prefill": [dict(num_stages=s, PREFETCH=p) for p, stages in ((False, (2, 3, 4)), (True, (1, 3))) for s in stages],
+    # (swapped tiles with num_stages=1 faulted on the H200, Triton 3.6: the launcher refuses them)
     # TMA: the blocks before a tile's last through descriptors, pipelined over num_stages
     "prefill_linear": [dict(TMA=True, PREFETCH=False, num_stages=s) for s in (2, 3, 4)]
     + [dict(TMA=False, PREFETCH=True, num_stages=1), dict(TMA=False, PREFETCH=False, num_stages=3)],
@@ -46,8 +47,7 @@ CANDIDATES = {
                for bq, kv, w, st, tma in ((128, 64, 8, 3, False), (64, 32, 4, 4, False), (64, 32, 4, 4, True),
                                           (64, 32, 4, 3, True), (64, 64, 4, 3, True), (64, 64, 4, 4, True),
                                           (128, 64, 8, 3, True), (128, 32, 4, 4, True), (128, 64, 8, 2, True))],
-    # FLAT: a program's chunks in one pipelined loop over their blocks, or a loop per chunk (swapped
-    # tiles with num_stages=1 faulted on the H200, Triton 3.6: the launcher refuses them)
+    # FLAT: a program's chunks in one pipelined loop over their blocks, or a loop per chunk
     "decode": [dict(SWAP=True, FLAT=flat, num_stages=st, PREFETCH=False, PROGRAMS_PER_SM=n)
                for flat, st, n in ((False, 3, 4), (True, 2, 4), (True, 3, 4), (True, 4, 4), (True, 3, 2), (True, 3, 8),
                                    (True, 4, 8))],
