@@ -29,8 +29,8 @@ HEADS, KV_HEADS, D, PAGE = 32, 8, 128, 16
 DECODE = [(128, 600), (1, 4096), (16, 4096), (64, 4096), (256, 1024)]
 PREFILL = [4096]
 # PREFETCH False: Triton's pipeliner schedules the K/V loads (num_stages); True: each block's K and V
-# are loaded into registers during the block before. Decode also: the programs per SM its grid aims
-# for and FLAT (the swapped tiles alone: the padded ones and PREFETCH lost on this GPU before).
+# are loaded into registers during the block before. Decode also: SWAP (the dots' operands swapped,
+# the heads as the MMA's N side, or the heads padded to 64 rows) and the programs per SM its grid aims for.
 CANDIDATES = {
     "prefill": [dict(num_stages=s, PREFETCH=p) for p, stages in ((False, (2, 3, 4)), (True, (1, 3))) for s in stages],
     # (swapped tiles with num_stages=1 faulted on the H200, Triton 3.6: the launcher refuses them)
@@ -47,10 +47,9 @@ CANDIDATES = {
                for bq, kv, w, st, tma in ((128, 64, 8, 3, False), (64, 32, 4, 4, False), (64, 32, 4, 4, True),
                                           (64, 32, 4, 3, True), (64, 64, 4, 3, True), (64, 64, 4, 4, True),
                                           (128, 64, 8, 3, True), (128, 32, 4, 4, True), (128, 64, 8, 2, True))],
-    # FLAT: a program's chunks in one pipelined loop over their blocks, or a loop per chunk
-    "decode": [dict(SWAP=True, FLAT=flat, num_stages=st, PREFETCH=False, PROGRAMS_PER_SM=n)
-               for flat, st, n in ((False, 3, 4), (True, 2, 4), (True, 3, 4), (True, 4, 4), (True, 3, 2), (True, 3, 8),
-                                   (True, 4, 8))],
+    "decode": [dict(SWAP=False, num_stages=3, PREFETCH=False, PROGRAMS_PER_SM=4)]
+    + [dict(SWAP=True, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (2, 3, 4) for n in (2, 4)]
+    + [dict(SWAP=True, num_stages=3, PREFETCH=True, PROGRAMS_PER_SM=4)],
 }
 
 

@@ -288,14 +288,6 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
     for per_sm in (0, 64):
         monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], "PROGRAMS_PER_SM": per_sm})
         assert torch.equal(K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last), decode), per_sm
-    # several chunks a program (7 chunks on 4 programs), in one loop over their blocks or a loop per chunk
-    q, k, v, cu = _packed([200], 4, 1, 16, device=TRITON_DEVICE)
-    train = K.varlen_attention(q, k, v, cu)
-    for flat in (True, False):
-        monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], "PROGRAMS_PER_SM": 1,
-                                                               "FLAT": flat})
-        got = K.causal_attention(q[None, 199:], k[None], v[None], torch.tensor([[199]], device=TRITON_DEVICE))
-        assert torch.equal(got[0, 0], train[199]), flat
 
 
 _MMA_PROBE = r"""
@@ -319,7 +311,7 @@ linear = compile_sm90(A._prefill_kernel, lambda n: desc if n.endswith("_desc") e
 cfg = A.TUNING["decode"]
 decode = {f"{'swapped' if swap else 'padded'}{' in registers' if r else ''}":
           compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=16 if swap else cfg["MIN_ROWS"], MERGE_ROWS=4,
-                       IN_REGISTERS=r, FROM_LENS=True, PREFETCH=cfg["PREFETCH"], SWAP=swap, FLAT=cfg["FLAT"], **common),
+                       IN_REGISTERS=r, FROM_LENS=True, PREFETCH=cfg["PREFETCH"], SWAP=swap, **common),
                        cfg["num_warps"], cfg["num_stages"]) for swap in (True, False) for r in (False, True)}
 print(json.dumps([prefill, linear, decode]))
 """

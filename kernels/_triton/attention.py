@@ -73,8 +73,7 @@ TUNING = {
     # are the M side, padded to MIN_ROWS (232 registers at P = 1: two programs per SM, each block's
     # q.k -> softmax -> P@V chain latency-bound). PROGRAMS_PER_SM: the grid aims for that many
     # programs per SM (a sequence's chunks split across up to that many programs at small batch)
-    # FLAT: a program's chunks in one pipelined loop over their blocks (else a loop per chunk)
-    "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=4, num_warps=4, num_stages=3, PREFETCH=False, FLAT=True),
+    "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=4, num_warps=4, num_stages=3, PREFETCH=False),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # benchmarks/sweep_attention.py, H200, 4 x 4,096 packed tokens: 128 keys x 64 rows at 8 warps
     # made the whole backward 1.29x faster than 64 x 64 (8 warps); 64 x 32 at 4 warps 1.26x
@@ -345,7 +344,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          n_chunks, GROUP: tl.constexpr, ROWS: tl.constexpr, MERGE_ROWS: tl.constexpr,
                          D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                          IN_REGISTERS: tl.constexpr, PREFETCH: tl.constexpr, FROM_LENS: tl.constexpr,
-                         SWAP: tl.constexpr, FLAT: tl.constexpr):
+                         SWAP: tl.constexpr):
     """The states of the chunks p, p + P, p + 2P, ... (P programs per sequence and kv head) of one
     single-query sequence, for all query heads of one kv head; the last of the sequence's programs
     to finish merges every chunk's state in chunk order, as _prefill_kernel does in registers, and
@@ -376,34 +375,14 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                                None, None, 0, 0, ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH, SWAP, False)
         _store_rows(out, lse, tok * n_heads + head, keep, m, l, acc, D, SWAP)
         return
+    for chunk in range(p, n_need, n_programs):
+        m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot,
+                                 qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP)
+        slot = first + chunk * GROUP
+        tl.store(part_m + slot, m, mask=keep)
+        tl.store(part_l + slot, l, mask=keep)
+        tl.store(part_acc + _tile_offsets(slot, D, SWAP), acc, mask=_col(keep, SWAP))
     mine = (n_need - 1 - p) // n_programs + 1
-    if FLAT:
-        # one software-pipelined loop over the blocks of this program's chunks (a loop per chunk would
-        # restart the pipeline at every chunk): a chunk state starts empty, folds its blocks in
-        # increasing order and is stored after its last (only the sequence's last chunk is partial)
-        BLOCKS: tl.constexpr = KV_CHUNK // KV_BLOCK
-        own_last = p + (mine - 1) * n_programs
-        n_blocks = (mine - 1) * BLOCKS + tl.minimum(hi // KV_BLOCK - own_last * BLOCKS + 1, BLOCKS)
-        m, l, acc = _empty_state(ROWS, D, SWAP)
-        for i in range(0, n_blocks):
-            chunk = p + (i // BLOCKS) * n_programs
-            kb, vb, key_pos = _block_kv(k, v, page_row, chunk * BLOCKS + i % BLOCKS, hi, page_size, stride_page,
-                                        stride_slot, KV_BLOCK, D)
-            m, l, acc = _fold_block(q_tile, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK, SWAP)
-            if (i % BLOCKS == BLOCKS - 1) | (i == n_blocks - 1):
-                slot = first + chunk * GROUP
-                tl.store(part_m + slot, m, mask=keep)
-                tl.store(part_l + slot, _row_max(l, SWAP), mask=keep)
-                tl.store(part_acc + _tile_offsets(slot, D, SWAP), acc, mask=_col(keep, SWAP))
-                m, l, acc = _empty_state(ROWS, D, SWAP)
-    else:
-        for chunk in range(p, n_need, n_programs):
-            m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot,
-                                     qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP)
-            slot = first + chunk * GROUP
-            tl.store(part_m + slot, m, mask=keep)
-            tl.store(part_l + slot, l, mask=keep)
-            tl.store(part_acc + _tile_offsets(slot, D, SWAP), acc, mask=_col(keep, SWAP))
     tl.debug_barrier()  # every thread's stores precede the release
     ticket = tl.atomic_add(tickets + seq * tl.num_programs(1) + kv_head, mine, sem="acq_rel", scope="gpu")
     if ticket + mine == n_need:  # this program stored the last of the chunk states
@@ -740,7 +719,7 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
         *_page_args(keys), q.shape[1], qk_scale, n_chunks, GROUP=group, ROWS=decode_rows(group, d),
         MERGE_ROWS=triton.next_power_of_2(group), D=d,
         KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, IN_REGISTERS=per_seq == 1, PREFETCH=cfg["PREFETCH"],
-        FROM_LENS=queries.from_lens, SWAP=swapped, FLAT=cfg["FLAT"], num_warps=cfg["num_warps"],
+        FROM_LENS=queries.from_lens, SWAP=swapped, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
 
 
