@@ -288,6 +288,11 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
     for per_sm in (0, 64):
         monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], "PROGRAMS_PER_SM": per_sm})
         assert torch.equal(K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last), decode), per_sm
+    # several chunks a program (7 chunks on 4 programs)
+    q, k, v, cu = _packed([200], 4, 1, 16, device=TRITON_DEVICE)
+    monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], "PROGRAMS_PER_SM": 1})
+    got = K.causal_attention(q[None, 199:], k[None], v[None], torch.tensor([[199]], device=TRITON_DEVICE))
+    assert torch.equal(got[0, 0], K.varlen_attention(q, k, v, cu)[199])
 
 
 _MMA_PROBE = r"""
