@@ -36,7 +36,9 @@ CANDIDATES = {
     # (swapped tiles with num_stages=1 faulted on the H200, Triton 3.6: the launcher refuses them)
     # TMA: the blocks before a tile's last through descriptors, pipelined over num_stages
     "prefill_linear": [dict(TMA=True, PREFETCH=False, num_stages=s) for s in (2, 3, 4)]
-    + [dict(TMA=False, PREFETCH=True, num_stages=1), dict(TMA=False, PREFETCH=False, num_stages=3)],
+    + [dict(TMA=False, PREFETCH=True, num_stages=1), dict(TMA=False, PREFETCH=False, num_stages=3)]
+    # 64-row tiles on one warpgroup: two programs an SM, each one's softmax beside the other's MMAs
+    + [dict(TMA=True, PREFETCH=False, BLOCK_Q=64, num_warps=4, num_stages=s) for s in (2, 3, 4)],
     # one program per BLOCK_KV keys looping over BLOCK_Q-row query tiles / one per BLOCK_Q rows over
     # BLOCK_KV-key blocks
     "bwd_dkdv": [dict(BLOCK_KV=kv, BLOCK_Q=bq, num_warps=w, num_stages=st)
