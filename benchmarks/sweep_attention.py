@@ -41,11 +41,9 @@ CANDIDATES = {
     + [dict(TMA=True, PREFETCH=False, BLOCK_Q=64, num_warps=4, num_stages=s) for s in (2, 3, 4)],
     # one program per BLOCK_KV keys looping over BLOCK_Q-row query tiles / one per BLOCK_Q rows over
     # BLOCK_KV-key blocks
-    # HEAD_MAJOR: a query tile is BLOCK_Q queries of one head through TMA; else (query, head) rows by pointers
-    "bwd_dkdv": [dict(HEAD_MAJOR=hm, BLOCK_KV=kv, BLOCK_Q=bq, num_warps=w, num_stages=st)
-                 for hm, kv, bq, w, st in ((False, 128, 64, 8, 3), (True, 128, 64, 8, 3), (True, 128, 32, 8, 3),
-                                           (True, 64, 32, 4, 4), (True, 128, 64, 8, 2), (True, 64, 64, 8, 3),
-                                           (False, 64, 32, 4, 4))],
+    "bwd_dkdv": [dict(BLOCK_KV=kv, BLOCK_Q=bq, num_warps=w, num_stages=st)
+                 for kv, bq, w, st in ((64, 64, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 3),
+                                       (64, 32, 4, 4), (64, 32, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3))],
     # TMA: the blocks before a tile's last through descriptors
     "bwd_dq": [dict(BLOCK_Q=bq, BLOCK_KV=kv, num_warps=w, num_stages=st, TMA=tma)
                for bq, kv, w, st, tma in ((128, 64, 8, 3, False), (64, 32, 4, 4, False), (64, 32, 4, 4, True),

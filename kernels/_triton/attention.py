@@ -77,8 +77,7 @@ TUNING = {
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # benchmarks/sweep_attention.py, H200, 4 x 4,096 packed tokens: 128 keys x 64 rows at 8 warps
     # made the whole backward 1.29x faster than 64 x 64 (8 warps); 64 x 32 at 4 warps 1.26x
-    # HEAD_MAJOR: a query tile is BLOCK_Q queries of one head (through TMA); else BLOCK_Q (query, head) rows
-    "bwd_dkdv": dict(BLOCK_Q=64, BLOCK_KV=128, num_warps=8, num_stages=3, HEAD_MAJOR=True),
+    "bwd_dkdv": dict(BLOCK_Q=64, BLOCK_KV=128, num_warps=8, num_stages=3),
     # one program per (sequence, kv head, BLOCK_Q rows), looping over BLOCK_KV-key blocks; TMA: over
     # a linear K/V (training's is), the blocks before the tile's last through descriptors
     "bwd_dq": dict(BLOCK_Q=64, BLOCK_KV=32, num_warps=4, num_stages=4, TMA=True),
@@ -405,54 +404,33 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
 # ---- backward kernels (FA2 style; deterministic: every sum runs in a fixed loop, no atomics) ------
 
 @triton.jit
-def _dkdv_tile(q_tile, do_tile, row_lse, row_delta, seen, kb, vb, dk_acc, dv_acc, qk_scale, MASKED: tl.constexpr):
-    """Add one query tile's share to a key block's dK, dV accumulators. MASKED: some row of the tile
-    (a query before a key, or a row past the sequence) must not see some key (seen [BLOCK_KV,
-    BLOCK_Q]); a tile whose every row sees every key skips the mask (where would select s
-    everywhere: the same bits)."""
-    s_t = tl.dot(kb, tl.trans(q_tile), input_precision="ieee") * qk_scale - row_lse[None, :]
+def _dkdv_tile(q, do, lse, delta, q_pos, kb, vb, key_pos, row0, q_first, n_queries, kv_head, n_heads, qk_scale,
+               dk_acc, dv_acc, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, MASKED: tl.constexpr):
+    """Add one BLOCK_Q-row query tile's share to a key block's dK, dV accumulators. MASKED: some row
+    of the tile (a query before a key, or a row past the sequence) must not see some key; a tile
+    whose every row sees every key skips the mask (where would select s everywhere: the same bits)."""
+    rows = row0 + tl.arange(0, BLOCK_Q)
+    tok, head = _rows(rows, q_first, n_queries, kv_head, GROUP)
+    idx = tok * n_heads + head
+    cols = tl.arange(0, D)[None, :]
+    q_tile = tl.load(q + idx[:, None] * D + cols)
+    do_tile = tl.load(do + idx[:, None] * D + cols)
+    s_t = tl.dot(kb, tl.trans(q_tile), input_precision="ieee") * qk_scale - tl.load(lse + idx)[None, :]
     if MASKED:
+        seen = (key_pos[:, None] <= tl.load(q_pos + tok)[None, :]) & (rows < n_queries * GROUP)[None, :]
         s_t = tl.where(seen, s_t, float("-inf"))
     p_t = tl.math.exp2(s_t)
     dv_acc = tl.dot(p_t.to(do_tile.dtype), do_tile, dv_acc, input_precision="ieee")
     dp_t = tl.dot(vb, tl.trans(do_tile), input_precision="ieee")
-    ds_t = p_t * (dp_t - row_delta[None, :])
+    ds_t = p_t * (dp_t - tl.load(delta + idx)[None, :])
     dk_acc = tl.dot(ds_t.to(q_tile.dtype), q_tile, dk_acc, input_precision="ieee")
     return dk_acc, dv_acc
 
 
 @triton.jit
-def _dkdv_rows(q, do, lse, delta, q_pos, kb, vb, key_pos, row0, q_first, n_queries, kv_head, n_heads, qk_scale,
-               dk_acc, dv_acc, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, MASKED: tl.constexpr):
-    """_dkdv_tile on rows row0.. in (query, head) order: the group's heads side by side, loaded by
-    pointers; rows past the sequence repeat its last query and are masked."""
-    rows = row0 + tl.arange(0, BLOCK_Q)
-    tok, head = _rows(rows, q_first, n_queries, kv_head, GROUP)
-    idx = tok * n_heads + head
-    cols = tl.arange(0, D)[None, :]
-    seen = (key_pos[:, None] <= tl.load(q_pos + tok)[None, :]) & (rows < n_queries * GROUP)[None, :]
-    return _dkdv_tile(tl.load(q + idx[:, None] * D + cols), tl.load(do + idx[:, None] * D + cols),
-                      tl.load(lse + idx), tl.load(delta + idx), seen, kb, vb, dk_acc, dv_acc, qk_scale, MASKED)
-
-
-@triton.jit
-def _dkdv_head_rows(q_desc, do_desc, lse, delta, key_pos, pos0, kb, vb, t0, q_first, head, n_heads, qk_scale,
-                    dk_acc, dv_acc, BLOCK_Q: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr):
-    """_dkdv_tile on queries t0 .. t0 + BLOCK_Q - 1 of one head, all inside the sequence, through TMA."""
-    idx = (q_first + t0 + tl.arange(0, BLOCK_Q)) * n_heads + head
-    seen = key_pos[:, None] <= (pos0 + t0 + tl.arange(0, BLOCK_Q))[None, :]
-    return _dkdv_tile(q_desc.load([q_first + t0, head * D]), do_desc.load([q_first + t0, head * D]),
-                      tl.load(lse + idx), tl.load(delta + idx), seen, kb, vb, dk_acc, dv_acc, qk_scale, MASKED)
-
-
-@triton.jit
 def _bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos, page_table, stride_table,
                      page_size, stride_page, stride_head, stride_slot, kv_count, n_heads, qk_scale, scale,
-                     q_desc, do_desc, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                     BLOCK_KV: tl.constexpr, HEAD_MAJOR: tl.constexpr):
-    """HEAD_MAJOR: the query tiles are BLOCK_Q queries of one head, head after head of the group
-    (through TMA descriptors q_desc/do_desc over [N, H * D], but a tile with queries past the
-    sequence, which loads by pointers and masks them); else BLOCK_Q rows of (query, head) pairs."""
+                     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
     block, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     lo = block * BLOCK_KV
     n_keys = tl.load(kv_count + seq)
@@ -467,49 +445,25 @@ def _bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos, p
     dv_acc = tl.zeros((BLOCK_KV, D), tl.float32)
     n_queries = tl.load(q_count + seq)
     q_first = tl.load(q_begin + seq)
+    n_rows = n_queries * GROUP
     # Query positions are consecutive (checked by the launcher), so the first query that sees this
-    # block and the first that sees all of it are known. Tiles run in increasing order, which fixes
-    # the order of the sums: [first, full) masked (the diagonal), [full, whole) unmasked (every row
-    # sees every key), [whole, end) masked (the tile with rows past the sequence).
+    # block and the first that sees all of it are known. Row tiles run in increasing order, which
+    # fixes the order of the sums: [first, full) masked (the diagonal), [full, whole) unmasked (every
+    # row sees every key), [whole, n_rows) masked (the tile with rows past the sequence).
     pos0 = tl.load(q_pos + q_first)
-    first_q = tl.minimum(tl.maximum(lo - pos0, 0), n_queries)
-    all_q = tl.minimum(tl.maximum(lo + BLOCK_KV - 1 - pos0, 0), n_queries)
-    if HEAD_MAJOR:
-        first = first_q // BLOCK_Q * BLOCK_Q
-        whole = n_queries // BLOCK_Q * BLOCK_Q
-        full = tl.maximum(first, tl.minimum(tl.cdiv(all_q, BLOCK_Q) * BLOCK_Q, whole))
-        for g in range(0, GROUP):
-            head = kv_head * GROUP + g
-            for t0 in range(first, full, BLOCK_Q):
-                dk_acc, dv_acc = _dkdv_head_rows(q_desc, do_desc, lse, delta, key_pos, pos0, kb, vb, t0, q_first,
-                                                 head, n_heads, qk_scale, dk_acc, dv_acc, BLOCK_Q, D, True)
-            for t0 in range(full, whole, BLOCK_Q):
-                dk_acc, dv_acc = _dkdv_head_rows(q_desc, do_desc, lse, delta, key_pos, pos0, kb, vb, t0, q_first,
-                                                 head, n_heads, qk_scale, dk_acc, dv_acc, BLOCK_Q, D, False)
-            for t0 in range(tl.maximum(full, whole), n_queries, BLOCK_Q):
-                # the tail: (query, head) rows t0 * GROUP + g, +GROUP, ... are this head's queries
-                rows = (t0 + tl.arange(0, BLOCK_Q)) * GROUP + g
-                tok, hd = _rows(rows, q_first, n_queries, kv_head, GROUP)
-                idx = tok * n_heads + hd
-                cols = tl.arange(0, D)[None, :]
-                seen = (key_pos[:, None] <= tl.load(q_pos + tok)[None, :]) & (rows < n_queries * GROUP)[None, :]
-                dk_acc, dv_acc = _dkdv_tile(tl.load(q + idx[:, None] * D + cols), tl.load(do + idx[:, None] * D + cols),
-                                            tl.load(lse + idx), tl.load(delta + idx), seen, kb, vb, dk_acc, dv_acc,
-                                            qk_scale, True)
-    else:
-        n_rows = n_queries * GROUP
-        first = first_q * GROUP // BLOCK_Q * BLOCK_Q
-        whole = n_rows // BLOCK_Q * BLOCK_Q
-        full = tl.maximum(first, tl.minimum(tl.cdiv(all_q * GROUP, BLOCK_Q) * BLOCK_Q, whole))
-        for row0 in range(first, full, BLOCK_Q):
-            dk_acc, dv_acc = _dkdv_rows(q, do, lse, delta, q_pos, kb, vb, key_pos, row0, q_first, n_queries, kv_head,
-                                        n_heads, qk_scale, dk_acc, dv_acc, GROUP, D, BLOCK_Q, True)
-        for row0 in range(full, whole, BLOCK_Q):
-            dk_acc, dv_acc = _dkdv_rows(q, do, lse, delta, q_pos, kb, vb, key_pos, row0, q_first, n_queries, kv_head,
-                                        n_heads, qk_scale, dk_acc, dv_acc, GROUP, D, BLOCK_Q, False)
-        for row0 in range(tl.maximum(full, whole), n_rows, BLOCK_Q):
-            dk_acc, dv_acc = _dkdv_rows(q, do, lse, delta, q_pos, kb, vb, key_pos, row0, q_first, n_queries, kv_head,
-                                        n_heads, qk_scale, dk_acc, dv_acc, GROUP, D, BLOCK_Q, True)
+    first = tl.minimum(tl.maximum(lo - pos0, 0), n_queries) * GROUP // BLOCK_Q * BLOCK_Q
+    whole = n_rows // BLOCK_Q * BLOCK_Q
+    sees_all = tl.minimum(tl.maximum(lo + BLOCK_KV - 1 - pos0, 0), n_queries) * GROUP
+    full = tl.maximum(first, tl.minimum(tl.cdiv(sees_all, BLOCK_Q) * BLOCK_Q, whole))
+    for row0 in range(first, full, BLOCK_Q):
+        dk_acc, dv_acc = _dkdv_tile(q, do, lse, delta, q_pos, kb, vb, key_pos, row0, q_first, n_queries, kv_head,
+                                    n_heads, qk_scale, dk_acc, dv_acc, GROUP, D, BLOCK_Q, True)
+    for row0 in range(full, whole, BLOCK_Q):
+        dk_acc, dv_acc = _dkdv_tile(q, do, lse, delta, q_pos, kb, vb, key_pos, row0, q_first, n_queries, kv_head,
+                                    n_heads, qk_scale, dk_acc, dv_acc, GROUP, D, BLOCK_Q, False)
+    for row0 in range(tl.maximum(full, whole), n_rows, BLOCK_Q):
+        dk_acc, dv_acc = _dkdv_tile(q, do, lse, delta, q_pos, kb, vb, key_pos, row0, q_first, n_queries, kv_head,
+                                    n_heads, qk_scale, dk_acc, dv_acc, GROUP, D, BLOCK_Q, True)
     cols = tl.arange(0, D)[None, :]
     tl.store(dk + offsets[:, None] + cols, (dk_acc * scale).to(dk.dtype.element_ty), mask=key_ok[:, None])
     tl.store(dv + offsets[:, None] + cols, dv_acc.to(dv.dtype.element_ty), mask=key_ok[:, None])
@@ -712,16 +666,6 @@ def _tma_capable(t: torch.Tensor) -> bool:
     return INTERPRETING or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
-def _row_descriptors(tensors, block: int) -> tuple[TensorDescriptor | None, ...]:
-    """TMA descriptors of contiguous [N, H, D] tensors as [N, H * D] matrices of block x D blocks
-    (one head's `block` consecutive tokens), or Nones where TMA cannot take them."""
-    if not all(_tma_capable(t) and t.is_contiguous() and is_aligned(t)
-               and (t.shape[1] * t.shape[2] * t.element_size()) % ALIGN_BYTES == 0 for t in tensors):
-        return (None,) * len(tensors)
-    return tuple(TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.shape[1] * t.shape[2], 1],
-                                  [block, t.shape[2]]) for t in tensors)
-
-
 def _descriptors(keys: _Keys, block: int) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
     """TMA descriptors of a linear K/V as [rows, kv heads * D] matrices of block x D blocks (the
     key at position p of page r is row r * stride_page // stride_slot + p), or (None, None) where
@@ -794,11 +738,9 @@ def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):
     n_seqs, group, qk_scale = queries.n_seqs, h // keys.n_heads, scale * _LOG2E
     seq_args = (queries.begin, queries.count, queries.pos, *_page_args(keys))
     cfg = TUNING["bwd_dkdv"]
-    descs = _row_descriptors((q, grad), cfg["BLOCK_Q"]) if cfg.get("HEAD_MAJOR") else (None, None)
     _bwd_dkdv_kernel[(triton.cdiv(keys.max_count, cfg["BLOCK_KV"]), keys.n_heads, n_seqs)](
-        q, keys.k, keys.v, grad, lse, delta, dk, dv, *seq_args, keys.count, h, qk_scale, scale, *descs,
-        GROUP=group, D=d, BLOCK_Q=cfg["BLOCK_Q"], BLOCK_KV=cfg["BLOCK_KV"], HEAD_MAJOR=descs[0] is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        q, keys.k, keys.v, grad, lse, delta, dk, dv, *seq_args, keys.count, h, qk_scale, scale, GROUP=group, D=d,
+        BLOCK_Q=cfg["BLOCK_Q"], BLOCK_KV=cfg["BLOCK_KV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = TUNING["bwd_dq"]
     descs = _descriptors(keys, cfg["BLOCK_KV"]) if cfg.get("TMA") else (None, None)
     _bwd_dq_kernel[(triton.cdiv(queries.max_count * group, cfg["BLOCK_Q"]), keys.n_heads, n_seqs)](
