@@ -64,7 +64,10 @@ TUNING = {
     # 4k prompt (H200, benchmarks/sweep_attention.py, RESULTS.md)
     "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True),
     # the same over a linear K/V (training's packed or padded one): TMA (on GPUs that have it) brings
-    # every block but a tile's last through a descriptor, pipelined by Triton over num_stages
+    # every block but a tile's last through a descriptor, pipelined by Triton over num_stages (242
+    # registers, no spill). sweep_attention.py, H200, 4 x 4,096 packed tokens, two calls: 2.09-2.18 ms
+    # against 2.39-2.43 ms for the registers-ahead schedule (1.14x); 2 / 4 stages 2.52-2.59 / 2.26-2.44;
+    # 64-row tiles at 4 warps (two programs an SM) 2.59-3.11
     "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
     # group's query heads; the last of them to finish merges the chunk states, or with P = 1 the one
@@ -75,11 +78,14 @@ TUNING = {
     # programs per SM (a sequence's chunks split across up to that many programs at small batch)
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=4, num_warps=4, num_stages=3, PREFETCH=False),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
-    # benchmarks/sweep_attention.py, H200, 4 x 4,096 packed tokens: 128 keys x 64 rows at 8 warps
-    # made the whole backward 1.29x faster than 64 x 64 (8 warps); 64 x 32 at 4 warps 1.26x
+    # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
+    # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
+    # below, 4.99-5.20 ms against 5.34-5.49 at 64 x 32 (4 warps) and 7.2 at 64 x 64. Query tiles of
+    # one head through TMA (head-major sums) measured 5.12-5.77 ms: not kept
     "bwd_dkdv": dict(BLOCK_Q=64, BLOCK_KV=128, num_warps=8, num_stages=3),
     # one program per (sequence, kv head, BLOCK_Q rows), looping over BLOCK_KV-key blocks; TMA: over
-    # a linear K/V (training's is), the blocks before the tile's last through descriptors
+    # a linear K/V (training's is), the blocks before the tile's last through descriptors (170
+    # registers). The same sweep: 5.05 ms with TMA against 5.69 without, 5.86 at the former 128 x 64
     "bwd_dq": dict(BLOCK_Q=64, BLOCK_KV=32, num_warps=4, num_stages=4, TMA=True),
 }
 # ===================================================================================================
