@@ -28,8 +28,9 @@
 #               and `linear`; default the row-parallel shapes, `--shapes column --chunks 2` the column ones;
 #               logs named after the args, so one call can run several; $SWEEP_TIMEOUT, default 560 s)
 #   attention   benchmarks/bench_attention.py (tables $ATTENTION_TABLES, default training,prefill,decode)
-#   sweep_attention benchmarks/sweep_attention.py (attention forward: tile, load schedule x stages, bitwise-checked;
-#               entries $SWEEP_ENTRIES, default decode,prefill)
+#   sweep_attention benchmarks/sweep_attention.py (attention: tile, load schedule x stages; forwards bitwise-checked,
+#               backward tiles checked against the table's gradients; entries $SWEEP_ENTRIES, default decode,prefill;
+#               also prefill_linear, bwd_dkdv, bwd_dq: training's forward and backward on 4 x 4,096 packed tokens)
 #   sweep_logp  benchmarks/sweep_logp.py (linear-logp forwards: the tl kernel, the Gluon one's stages; T = 256, 4096)
 #   sweep_logp_each  the same, each candidate of $SWEEP_EACH in its own process under a timeout (a hung kernel costs
 #               one candidate, not the call)
