@@ -683,8 +683,9 @@ def _forward(queries: _Queries, keys: _Keys, scale: float, decode: bool) -> tupl
 
 
 def _tma_capable(t: torch.Tensor) -> bool:
-    """TMA descriptors: Hopper or later, or the interpreter (which emulates them)."""
-    return INTERPRETING or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9)
+    """TMA loads for t's blocks: 16-bit t on Hopper or later (the tables' stages of fp32 blocks would
+    not fit shared memory), or the interpreter (which emulates descriptors, for the CPU tests)."""
+    return INTERPRETING or (t.is_cuda and t.element_size() == 2 and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
 def _descriptors(keys: _Keys, block: int) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
