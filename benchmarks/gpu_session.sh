@@ -30,7 +30,8 @@
 #   attention   benchmarks/bench_attention.py (tables $ATTENTION_TABLES, default training,prefill,decode)
 #   sweep_attention benchmarks/sweep_attention.py (attention: tile, load schedule x stages; forwards bitwise-checked,
 #               backward tiles checked against the table's gradients; entries $SWEEP_ENTRIES, default decode,prefill;
-#               also prefill_linear, bwd_dkdv, bwd_dq: training's forward and backward on 4 x 4,096 packed tokens)
+#               also prefill_linear, bwd_dkdv, bwd_dq: training's forward and backward on 4 x 4,096 packed tokens;
+#               $SWEEP_ARGS="--train-seqs 1": on one)
 #   sweep_logp  benchmarks/sweep_logp.py (linear-logp forwards: the tl kernel, the Gluon one's stages; T = 256, 4096)
 #   sweep_logp_each  the same, each candidate of $SWEEP_EACH in its own process under a timeout (a hung kernel costs
 #               one candidate, not the call)
@@ -108,7 +109,7 @@ for stage in "$@"; do
              timeout ${SWEEP_TIMEOUT:-560} python3 benchmarks/sweep_rowtree.py "$OUT/sweep_rowtree$tag.md" ${SWEEP_ARGS:-} \
                > "$OUT/sweep_rowtree$tag.log" 2>&1
              tail -40 "$OUT/sweep_rowtree$tag.log" ;;
-    sweep_attention) link_lockstep; timeout 330 python3 benchmarks/sweep_attention.py --entries "${SWEEP_ENTRIES:-decode,prefill}" \
+    sweep_attention) link_lockstep; timeout 330 python3 benchmarks/sweep_attention.py --entries "${SWEEP_ENTRIES:-decode,prefill}" ${SWEEP_ARGS:-} \
                > "$OUT/sweep_attention.log" 2>&1; grep -E "BEST|DIFFER|failed" "$OUT/sweep_attention.log" ;;
     attention) link_lockstep; timeout 330 python3 benchmarks/bench_attention.py --tables "${ATTENTION_TABLES:-training,prefill,decode}" \
                > "$OUT/attention.log" 2>&1; tail -40 "$OUT/attention.log" ;;

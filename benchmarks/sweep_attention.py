@@ -4,7 +4,8 @@
 
 Decode (one query per request, 16-token pages in random order) at the rollout workload's shape
 (batch 128, 600 keys) and at the decode table's corners, a 4k-token prefill (paged), and training's
-forward and backward (varlen, 4 x 4,096 packed tokens, as bench_attention.py's training row): every
+forward and backward (varlen, 4 x 4,096 packed tokens, as bench_attention.py's larger training row;
+--train-seqs 1 its smaller one): every
 candidate of kernels/_triton/attention.py's TUNING entry (num_stages x PREFETCH x TMA, the K/V load
 schedule; for decode also the swapped or padded tile and the programs per SM) is checked bitwise
 against the current table first, then timed (CUDA-graph replay for paged calls, CUDA events for training's
@@ -131,16 +132,18 @@ def main() -> None:
     p.add_argument("--entries", default="decode,prefill", help="TUNING entries to sweep (decode, prefill, "
                    "prefill_linear, bwd_dkdv, bwd_dq)")
     entries = p.parse_args().entries.split(",")
+    p.add_argument("--train-seqs", type=int, default=4, help="4,096-token sequences of the training case")
+    train_seqs = p.parse_args().train_seqs
     unknown = set(entries) - set(CANDIDATES)
     if unknown:
         raise SystemExit(f"sweep_attention: no candidates for {sorted(unknown)}; entries: {sorted(CANDIDATES)}")
     with K.using_backend("triton"):
-        forward, backward = _training_case()
+        forward, backward = _training_case(train_seqs * 4096)
         if "prefill_linear" in entries:
-            sweep("prefill_linear", "training forward, 4 x 4,096 packed", forward)
+            sweep("prefill_linear", f"training forward, {train_seqs} x 4,096 packed", forward)
         for entry in ("bwd_dkdv", "bwd_dq"):
             if entry in entries:
-                sweep(entry, "training backward, 4 x 4,096 packed", backward)
+                sweep(entry, f"training backward, {train_seqs} x 4,096 packed", backward)
         if "decode" in entries:
             for batch, context in DECODE:
                 sweep("decode", f"batch {batch} x {context} keys", _case(batch, context, 1))
