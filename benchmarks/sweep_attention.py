@@ -1,19 +1,20 @@
-"""Tuning sweep for the Triton attention forward on the GPU at hand (bf16, Qwen3-8B heads).
+"""Tuning sweep for the Triton attention kernels on the GPU at hand (bf16, Qwen3-8B heads).
 
     python benchmarks/sweep_attention.py [--entries decode,prefill,prefill_linear,bwd_dkdv,bwd_dq]
+                                         [--train-seqs N]
 
 Decode (one query per request, 16-token pages in random order) at the rollout workload's shape
 (batch 128, 600 keys) and at the decode table's corners, a 4k-token prefill (paged), and training's
-forward and backward (varlen, 4 x 4,096 packed tokens, as bench_attention.py's larger training row;
---train-seqs 1 its smaller one): every
-candidate of kernels/_triton/attention.py's TUNING entry (num_stages x PREFETCH x TMA, the K/V load
-schedule; for decode also the swapped or padded tile and the programs per SM) is checked bitwise
-against the current table first, then timed (CUDA-graph replay for paged calls, CUDA events for training's
-varlen ones, whose launchers read the sequence lengths on the host). Forward tuning changes no bit
-(every candidate's dots are wgmma, whose elements do not depend on the tile's shape or operand
-order); a candidate that changes one is reported and never a winner. Backward tiles set the order
-of the gradient sums, so a backward candidate's gradients are checked against the current table's
-to a bf16 tolerance instead (and for determinism: two calls, the same bits).
+forward and backward (varlen, N = 4 packed 4,096-token sequences by default, bench_attention.py's
+larger training row; N = 1 its smaller one). Every candidate of kernels/_triton/attention.py's
+TUNING entry (num_stages x PREFETCH x TMA, the K/V load schedule; for decode also the swapped or
+padded tile and the programs per SM; for the backward the tiles) is checked against the current
+table first, then timed: CUDA-graph replay for paged calls, CUDA events for training's varlen
+ones (their launchers read the sequence lengths on the host). Forward tuning changes no bit (every
+candidate's dots are wgmma, whose elements do not depend on the tile's shape or operand order): a
+forward candidate that changes one is reported and never a winner. Backward tiles set the order of
+the gradient sums, so a backward candidate's gradients are checked against the current table's to
+a bf16 tolerance instead, and for determinism (two calls, the same bits).
 """
 from __future__ import annotations
 
