@@ -132,9 +132,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--entries", default="decode,prefill", help="TUNING entries to sweep (decode, prefill, "
                    "prefill_linear, bwd_dkdv, bwd_dq)")
-    entries = p.parse_args().entries.split(",")
     p.add_argument("--train-seqs", type=int, default=4, help="4,096-token sequences of the training case")
-    train_seqs = p.parse_args().train_seqs
+    args = p.parse_args()
+    entries, train_seqs = args.entries.split(","), args.train_seqs
     unknown = set(entries) - set(CANDIDATES)
     if unknown:
         raise SystemExit(f"sweep_attention: no candidates for {sorted(unknown)}; entries: {sorted(CANDIDATES)}")
