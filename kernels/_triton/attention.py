@@ -25,6 +25,15 @@ swapped, the key block and head dim as the MMA's M side and the heads as its N s
 instead of padding the heads to the 64 rows a wgmma needs as M: on sm_90 both are wgmma, whose
 elements are the same sums either way (checked on the GPU), at half the registers.
 
+Loads change no value: over a linear K/V (training's packed or padded one; 16-bit, Hopper) the
+forward and dQ read every block before a tile's last through TMA descriptors, whose keys all lie
+inside the tile's range, and the last block by masked loads, as paged K/V read every block.
+
+Backward (FA2 style, no atomics): dK/dV programs own a key block and walk the query tiles, dQ
+programs own a query tile and walk the key blocks, both in increasing order; each masks only the
+tiles some row of which must not see some key. The tiles (TUNING) fix the order of the gradient
+sums, which depends on no other sequence of the batch.
+
 Entry points are torch custom ops (lockstep::causal_attention, lockstep::varlen_attention,
 lockstep::paged_attention, and the two backward ops) with fake implementations and, for the
 first two, registered autograd.
