@@ -47,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
+from lockstep.kernels._triton._order import grouped_tile
 from lockstep.kernels._triton._tma import aligned_empty
 from lockstep.kernels._triton.splitk_ws import HALF, SHARED_BYTES, gluon_descriptor, invalidate_ring, ring_barriers
 from lockstep.kernels.logp import ChunkStates, LinearLogpOutput, torch_merge_states
@@ -123,20 +124,8 @@ MERGE_STATES_PER_PROGRAM = 4096
 
 @triton.jit
 def _program_tile(n_row_blocks, n_col_tiles, GROUP_T: tl.constexpr):
-    """(row block, column tile) of this program (_grouped_tile of its id)."""
-    return _grouped_tile(tl.program_id(0), n_row_blocks, n_col_tiles, GROUP_T)
-
-
-@triton.jit
-def _grouped_tile(index, n_row_blocks, n_col_tiles, GROUP_T: tl.constexpr):
-    """(row block, column tile) of work item `index`. GROUP_T row blocks sweep the column tiles side
-    by side, so the programs running at once share their hidden rows and weight rows in L2. (Also
-    the Gluon forward's order over its persistent items.)"""
-    per_group = GROUP_T * n_col_tiles
-    first = (index // per_group) * GROUP_T
-    size = tl.minimum(n_row_blocks - first, GROUP_T)
-    idx = index % per_group
-    return first + idx % size, idx // size
+    """(row block, column tile) of this program (grouped_tile of its id)."""
+    return grouped_tile(tl.program_id(0), n_row_blocks, n_col_tiles, GROUP_T)
 
 
 @triton.jit
@@ -350,7 +339,7 @@ def _ws_producer(h_desc, w_desc, h0_smem, h1_smem, wa_smem, wb_smem, ready, empt
     BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
     t = 0
     for local in range(my_items):
-        row_block, chunk = _grouped_tile(pid + local * num_programs, n_row_blocks, n_chunks, GROUP_T)
+        row_block, chunk = grouped_tile(pid + local * num_programs, n_row_blocks, n_chunks, GROUP_T)
         lo = chunk * width
         hi = gl.minimum(lo + width, V_local)
         for c0 in range(lo, hi, 2 * BLOCK_V):
@@ -395,7 +384,7 @@ def _ws_consumer(h_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_pt
     acc_b = gl.zeros([HALF_ROWS, BLOCK_V], gl.float32, _WS_ACC_LAYOUT)
     t = 0
     for local in range(my_items):
-        row_block, chunk = _grouped_tile(pid + local * num_programs, n_row_blocks, n_chunks, GROUP_T)
+        row_block, chunk = grouped_tile(pid + local * num_programs, n_row_blocks, n_chunks, GROUP_T)
         rows = row_block * 2 * HALF_ROWS + ROW_HALF * HALF_ROWS + gl.arange(0, HALF_ROWS, layout=row_layout)
         row_ok = rows < T
         inv_temp, target = _row_values(temp_ptr, tgt_ptr, rows, row_ok, vocab_start, HAS_TEMP)

@@ -24,20 +24,10 @@ import triton
 import triton.language as tl
 
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
+from lockstep.kernels._triton._order import grouped_tile
 from lockstep.kernels._triton._tma import aligned_empty, install_descriptor_allocator, tma_matrix
 from lockstep.kernels._triton.matmul_configs import MAX_WARP_SPECIALIZED_STAGES, block_k, config_for, tile_rows
 from lockstep.kernels._triton.splitk_ws import row_tree_ws
-
-
-@triton.jit
-def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped tile order: GROUP_M row tiles, then the next N tile (Triton's matmul tutorial)."""
-    tiles_per_group = GROUP_M * num_pid_n
-    first_m = (tile // tiles_per_group) * GROUP_M
-    group_rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % tiles_per_group) % group_rows
-    pid_n = (tile % tiles_per_group) // group_rows
-    return pid_m, pid_n
 
 
 # M is not specialised: a separate M == 1 (or M % 16 == 0) compilation would be another binary for
@@ -71,7 +61,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_a, stride_b, str
     epilogue_tile = tl.program_id(0) - num_programs
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_programs, flatten=not WARP_SPECIALIZE,
                      warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -94,7 +84,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_a, stride_b, str
             acc = tl.dot(a, b, acc, input_precision="ieee")
 
         epilogue_tile += num_programs
-        pid_m, pid_n = _tile_coords(epilogue_tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(epilogue_tile, num_pid_m, num_pid_n, GROUP_M)
         c = acc.to(out_dtype)
         if HAS_BIAS:
             # The reference's order: round the product to the output dtype, then add the bias.

@@ -28,6 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
+from lockstep.kernels._triton._order import grouped_tile
 from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, row_config_for, tile_rows
 from lockstep.kernels._triton.splitk_ws import row_tree_ws
 
@@ -150,11 +151,7 @@ def _row_tree_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK,
     s = tl.program_id(1)  # which subtree of this tile
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    tiles_per_group = GROUP_M * num_pid_n
-    first_m = (tile // tiles_per_group) * GROUP_M
-    group_rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % tiles_per_group) % group_rows
-    pid_n = (tile % tiles_per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     PER: tl.constexpr = CHUNKS // SPLIT

@@ -30,6 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lockstep.kernels._triton._device import resident_programs
+from lockstep.kernels._triton._order import grouped_tile
 from lockstep.kernels._triton.matmul_configs import GemmConfig
 
 HALF = 64  # rows of a tile per consumer warpgroup (one wgmma M side)
@@ -60,16 +61,6 @@ def invalidate_ring(ready, empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _tile_of(local, pid, num_programs, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-    """(row tile, column tile) of this program's `local`-th tile, in splitk's grouped order."""
-    tile = pid + local * num_programs
-    tiles_per_group = GROUP_M * num_pid_n
-    first_m = (tile // tiles_per_group) * GROUP_M
-    group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile % tiles_per_group) % group_rows, (tile % tiles_per_group) // group_rows
-
-
-@gluon.jit
 def _producer(x_desc, w_desc, x0_smem, x1_smem, w_smem, ready, empty, my_tiles, pid, num_programs, steps, num_pid_m,
               num_pid_n, K_PAD, CHUNKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     ROWS: gl.constexpr = x_desc.block_type.shape[0]
@@ -77,7 +68,7 @@ def _producer(x_desc, w_desc, x0_smem, x1_smem, w_smem, ready, empty, my_tiles, 
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     t = 0
     for local in range(my_tiles):
-        pid_m, pid_n = _tile_of(local, pid, num_programs, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(pid + local * num_programs, num_pid_m, num_pid_n, GROUP_M)
         for j in range(CHUNKS):
             for ki in range(steps):
                 s = t % STAGES
@@ -104,7 +95,7 @@ def _consumer(x_smem, w_smem, ready, empty, quad_smem, out_ptr, M, N, stride_o, 
     h2 = gl.zeros([ROWS, BLOCK_N], gl.float32, mma)  # a finished pair
     t = 0
     for local in range(my_tiles):
-        pid_m, pid_n = _tile_of(local, pid, num_programs, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(pid + local * num_programs, num_pid_m, num_pid_n, GROUP_M)
         for j in range(CHUNKS):
             for ki in range(steps):  # ascending k; the chunk's first step starts from zero
                 s = t % STAGES
