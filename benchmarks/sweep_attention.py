@@ -37,15 +37,23 @@ CANDIDATES = {
     "prefill": [dict(num_stages=s, PREFETCH=p) for p, stages in ((False, (2, 3, 4)), (True, (1, 3))) for s in stages],
     # (swapped tiles with num_stages=1 faulted on the H200, Triton 3.6: the launcher refuses them)
     # TMA: the blocks before a tile's last through descriptors, pipelined over num_stages
-    "prefill_linear": [dict(TMA=True, PREFETCH=False, num_stages=s) for s in (2, 3, 4)]
-    + [dict(TMA=False, PREFETCH=True, num_stages=1), dict(TMA=False, PREFETCH=False, num_stages=3)]
+    # (GLUON=False: the tl kernel, whose schedules these are)
+    "prefill_linear": [dict(GLUON=False, TMA=True, PREFETCH=False, num_stages=s) for s in (2, 3, 4)]
+    + [dict(GLUON=False, TMA=False, PREFETCH=True, num_stages=1), dict(GLUON=False, TMA=False, PREFETCH=False,
+                                                                       num_stages=3)]
     # 64-row tiles on one warpgroup: two programs an SM, each one's softmax beside the other's MMAs
-    + [dict(TMA=True, PREFETCH=False, BLOCK_Q=64, num_warps=4, num_stages=s) for s in (2, 3, 4)],
+    + [dict(GLUON=False, TMA=True, PREFETCH=False, BLOCK_Q=64, num_warps=4, num_stages=s) for s in (2, 3, 4)]
+    # the warp-specialised Gluon kernel: a producer warp, two consumer warpgroups, a ring of num_stages
+    # (OVERLAP: a block's q.k beside the last block's P@V, FA3's pipelining inside a warpgroup)
+    + [dict(GLUON=True, OVERLAP=o, num_stages=s) for o in (False, True) for s in (2, 3, 4)],
     # one program per BLOCK_KV keys looping over BLOCK_Q-row query tiles / one per BLOCK_Q rows over
     # BLOCK_KV-key blocks
-    "bwd_dkdv": [dict(BLOCK_KV=kv, BLOCK_Q=bq, num_warps=w, num_stages=st)
+    "bwd_dkdv": [dict(BLOCK_KV=kv, BLOCK_Q=bq, num_warps=w, num_stages=st, GLUON=False)
                  for kv, bq, w, st in ((64, 64, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 3),
-                                       (64, 32, 4, 4), (64, 32, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3))],
+                                       (64, 32, 4, 4), (64, 32, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3))]
+    # the warp-specialised Gluon dK/dV (128 keys, two consumer warpgroups of 64, 64-row query tiles
+    # through TMA): the table's sums at BLOCK_Q 64
+    + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)],
     # TMA: the blocks before a tile's last through descriptors
     "bwd_dq": [dict(BLOCK_Q=bq, BLOCK_KV=kv, num_warps=w, num_stages=st, TMA=tma)
                for bq, kv, w, st, tma in ((128, 64, 8, 3, False), (64, 32, 4, 4, False), (64, 32, 4, 4, True),

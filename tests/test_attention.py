@@ -279,8 +279,9 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
         assert torch.equal(K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last), decode)
     # over a linear K/V (this packed one takes the TMA route), the blocks through descriptors or loads
     assert triton_backend._descriptors(triton_backend._varlen_layout(q, k, v, cu)[1], 16)[0] is not None
-    for linear in (dict(TMA=False, PREFETCH=True, num_stages=1), dict(TMA=False, PREFETCH=False, num_stages=2),
-                   dict(TMA=True, num_stages=2)):
+    for linear in (dict(TMA=False, PREFETCH=True, num_stages=1, GLUON=False),
+                   dict(TMA=False, PREFETCH=False, num_stages=2, GLUON=False), dict(TMA=True, num_stages=2, GLUON=False),
+                   dict(GLUON=True)):  # (Gluon: 16-bit on Hopper; these float32 inputs take the tl kernel)
         monkeypatch.setitem(triton_backend.TUNING, "prefill_linear", {**triton_backend.TUNING["prefill_linear"], **linear})
         assert torch.equal(K.varlen_attention(q, k, v, cu), ref), linear
     # decode programs per sequence: one walking all 3 chunks, merging in registers (0 asks for none: at
@@ -313,12 +314,24 @@ desc = f"tensordesc<bf16[{A.KV_BLOCK}, 128]>"
 linear = compile_sm90(A._prefill_kernel, lambda n: desc if n.endswith("_desc") else types(n),
                       dict(BLOCK_Q=cfg["BLOCK_Q"], PREFETCH=cfg["PREFETCH"], FROM_LENS=False, TMA=cfg["TMA"], **common),
                       cfg["num_warps"], cfg["num_stages"])
+WS_INTS = {"stride_table", "stride_page", "stride_slot", "n_heads", "kv_width"}
+gluon = compile_sm90(A._prefill_ws_kernel, lambda n: "i32" if n in WS_INTS else types(n),
+                     dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, STAGES=cfg["num_stages"],
+                          OVERLAP=cfg.get("OVERLAP", False)), 4, 1)
+bwd_types = lambda n: "fp32" if n in ("qk_scale", "scale") else "*fp32" if n == "delta" else types(n)
+cfg = A.TUNING["bwd_dkdv"]
+dkdv = compile_sm90(A._bwd_dkdv_kernel, lambda n: "*i32" if n == "kv_count" else bwd_types(n),
+                    dict(GROUP=4, D=128, BLOCK_Q=cfg["BLOCK_Q"], BLOCK_KV=cfg["BLOCK_KV"]), cfg["num_warps"],
+                    cfg["num_stages"])
+dkdv_gluon = compile_sm90(A._bwd_dkdv_ws_kernel, lambda n: "*i32" if n == "kv_count" else "i32" if n in WS_INTS
+                          | {"stride_head", "n_tokens"} else bwd_types(n), dict(GROUP=4, D=128, STAGES=cfg["GLUON_STAGES"]),
+                          4, 1)
 cfg = A.TUNING["decode"]
 decode = {f"{'swapped' if swap else 'padded'}{' in registers' if r else ''}":
           compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=16 if swap else cfg["MIN_ROWS"], MERGE_ROWS=4,
                        IN_REGISTERS=r, FROM_LENS=True, PREFETCH=cfg["PREFETCH"], SWAP=swap, **common),
                        cfg["num_warps"], cfg["num_stages"]) for swap in (True, False) for r in (False, True)}
-print(json.dumps([prefill, linear, decode]))
+print(json.dumps([prefill, linear, gluon, dkdv, dkdv_gluon, decode]))
 """
 
 
@@ -331,10 +344,14 @@ def test_decode_and_prefill_multiply_with_wgmma():
     kernel spills, and the swapped ones hold far fewer registers (more programs per SM)."""
     from sm90 import probe
 
-    prefill, linear, decode = probe(_MMA_PROBE)
+    prefill, linear, gluon, dkdv, dkdv_gluon, decode = probe(_MMA_PROBE)
     assert {version for version, _ in prefill["mma"]} == {"3"}, f"expected wgmma (MMA v3) only, got {prefill['mma']}"
-    # over a linear K/V (TMA loads) the prefill tile runs the same instructions, without spilling
+    # over a linear K/V (TMA loads) the prefill tile runs the same instructions, without spilling, and
+    # so does its warp-specialised Gluon form (the consumers' 64-row wgmmas)
     assert linear["mma"] == prefill["mma"] and linear["spill_bytes"] == 0, (linear, prefill)
+    assert gluon["mma"] == prefill["mma"] and gluon["spill_bytes"] == 0 and gluon["warp_specialized"], gluon
+    # dK/dV's Gluon form runs the tl kernel's instructions on 64 of its keys a consumer
+    assert dkdv_gluon["mma"] == dkdv["mma"] and dkdv_gluon["warp_specialized"], (dkdv_gluon, dkdv)
     for name, d in decode.items():
         assert {version for version, _ in d["mma"]} == {"3"}, f"decode ({name}) MMAs {d['mma']}"
         assert d["spill_bytes"] == 0, (name, d)
@@ -432,6 +449,38 @@ def test_gpu_accuracy_and_deterministic_backward(gpu_triton):
     for name, a, r in zip("qkv", first, refs):
         rel = ((a.double() - r).norm() / r.norm()).item()
         assert rel < 2e-2, f"d{name}: relative error {rel:.3g} against float64"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [32, 16], ids=["group4", "group2"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_gpu_warp_specialized_forward_gives_the_tl_kernels_bits(gpu_triton, monkeypatch, heads, overlap):
+    """The Gluon kernels over a linear K/V (the forward and dK/dV: TUNING["prefill_linear"] and
+    ["bwd_dkdv"] with GLUON) against the tl kernels, packed and padded, bf16, head_dim 128, 8 kv
+    heads: the same outputs, lse and gradients, bit for bit, with tails of a block, a chunk and a
+    tile, and a sequence shorter than one block."""
+    from lockstep.kernels._triton import attention as A
+
+    lens = [3001, 1024, 1777, 77, 5]
+    q, k, v, cu = _packed(lens, heads, 8, 128, torch.bfloat16, "cuda")
+    assert A._gluon_route(*A._varlen_layout(q, k, v, cu))
+    width = max(lens) + 3
+    padded = [_padded(t, cu, width) for t in (q, k, v)]
+    pos = torch.arange(width, device="cuda").expand(len(lens), width)
+
+    grad = torch.randn_like(q)
+
+    def run(gluon):
+        monkeypatch.setitem(A.TUNING, "prefill_linear", {**A.TUNING["prefill_linear"], "GLUON": gluon,
+                                                         "OVERLAP": overlap})
+        monkeypatch.setitem(A.TUNING, "bwd_dkdv", {**A.TUNING["bwd_dkdv"], "GLUON": gluon})
+        out, lse = torch.ops.lockstep.varlen_attention(q, k, v, cu, 0.088)
+        grads = torch.ops.lockstep.varlen_attention_backward(grad, q, k, v, cu, out, lse, 0.088)
+        return (out, lse, *torch.ops.lockstep.causal_attention(*padded, pos, 0.088), *grads)
+
+    for name, a, b in zip(["out", "lse", "padded out", "padded lse", "dq", "dk", "dv"], run(True), run(False)):
+        differ = (a != b).flatten(1).any(1)
+        assert not differ.any(), f"{name}: {int(differ.sum())} of {differ.numel()} rows differ"
 
 
 @pytest.mark.gpu

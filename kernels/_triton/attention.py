@@ -47,10 +47,16 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
+from lockstep.kernels._triton._tma import install_descriptor_allocator
+from lockstep.kernels._triton.splitk_ws import invalidate_ring, ring_barriers
 
 # ==== configuration ================================================================================
 # Numerics: part of the contract between trainer and rollout. Launchers read these at call time, so
@@ -77,7 +83,13 @@ TUNING = {
     # registers, no spill). sweep_attention.py, H200, 4 x 4,096 packed tokens, two calls: 2.09-2.18 ms
     # against 2.39-2.43 ms for the registers-ahead schedule (1.14x); 2 / 4 stages 2.52-2.59 / 2.26-2.44;
     # 64-row tiles at 4 warps (two programs an SM) 2.59-3.11
-    "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True),
+    # GLUON (16-bit, Hopper): the same tiles and folds as the warp-specialised _prefill_ws_kernel (a
+    # producer warp, two consumer warpgroups of 64 rows, a ring of num_stages blocks); OVERLAP: each
+    # consumer's next q.k beside its P@V (FA3's pipelining inside a warpgroup). The same sweep, one
+    # call: 1.60 ms with OVERLAP at 3 stages, 1.64-1.66 without (2-4 stages), against 2.04-2.07 for the
+    # tl kernel (1.27x); OVERLAP at 2 / 4 stages 1.92 / 1.87
+    "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True,
+                           OVERLAP=True),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
     # group's query heads; the last of them to finish merges the chunk states, or with P = 1 the one
     # program merges in registers. SWAP: the dots run with their operands swapped, the heads as the
@@ -91,7 +103,10 @@ TUNING = {
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
     # below, 4.99-5.20 ms against 5.34-5.49 at 64 x 32 (4 warps) and 7.2 at 64 x 64. Query tiles of
     # one head through TMA (head-major sums) measured 5.12-5.77 ms: not kept
-    "bwd_dkdv": dict(BLOCK_Q=64, BLOCK_KV=128, num_warps=8, num_stages=3),
+    # GLUON (16-bit, Hopper, BLOCK_Q 64): the same sums as the warp-specialised _bwd_dkdv_ws_kernel (128
+    # keys, two consumer warpgroups of 64, a producer warp bringing the query tiles through TMA into a
+    # ring of GLUON_STAGES): whole backward 4.40 ms at 2 stages, 4.60 at 3, against 4.60 for the tl kernel
+    "bwd_dkdv": dict(BLOCK_Q=64, BLOCK_KV=128, num_warps=8, num_stages=3, GLUON=True, GLUON_STAGES=2),
     # one program per (sequence, kv head, BLOCK_Q rows), looping over BLOCK_KV-key blocks; TMA: over
     # a linear K/V (training's is), the blocks before the tile's last through descriptors (170
     # registers). The same sweep: 5.05 ms with TMA against 5.69 without, 5.86 at the former 128 x 64
@@ -198,6 +213,26 @@ def _empty_state(ROWS: tl.constexpr, D: tl.constexpr, SWAP: tl.constexpr):
 
 
 @triton.jit
+def _block_softmax(s, key_pos, pos, m, qk_scale, SWAP: tl.constexpr):
+    """A key block's q.k products s -> (the rows' new max, the factor alpha that rescales their
+    state, the unnormalised probabilities p in fp32): keys past a row's position are -inf. Written
+    in tl and called from the Gluon forward too (_ws_consumer): every kernel runs this expression.
+    The `where` stays even where every key is seen: it keeps s * qk_scale a rounded product (a
+    compiler could otherwise contract it with the subtraction below into one fma)."""
+    if SWAP:
+        seen = key_pos[:, None] <= pos[None, :]
+    else:
+        seen = key_pos[None, :] <= pos[:, None]
+    s = tl.where(seen, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, _row_max(s, SWAP))
+    # A row that has seen no key of this chunk yet has m_new = -inf; measuring from 0 keeps its
+    # state exactly empty (l = 0, acc = 0) instead of NaN (exp2(-inf - -inf)).
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = _col(tl.math.exp2(m - m_ref), SWAP)
+    return m_new, alpha, tl.math.exp2(s - _col(m_ref, SWAP))
+
+
+@triton.jit
 def _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK: tl.constexpr, SWAP: tl.constexpr):
     """Fold one key block into the state (m: row max in log2 units; l: row sums, as a tile of
     equal columns; acc: unnormalised output).
@@ -209,17 +244,10 @@ def _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK: tl.const
     test_gpu_decode_tiles_give_the_training_bits)."""
     if SWAP:
         s = tl.dot(kb, q, input_precision="ieee")
-        seen = key_pos[:, None] <= pos[None, :]
     else:
         s = tl.dot(q, tl.trans(kb), input_precision="ieee")
-        seen = key_pos[None, :] <= pos[:, None]
-    s = tl.where(seen, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m, _row_max(s, SWAP))
-    # A row that has seen no key of this chunk yet has m_new = -inf; measuring from 0 keeps its
-    # state exactly empty (l = 0, acc = 0) instead of NaN (exp2(-inf - -inf)).
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = _col(tl.math.exp2(m - m_ref), SWAP)
-    p = tl.math.exp2(s - _col(m_ref, SWAP)).to(vb.dtype)
+    m_new, alpha, p = _block_softmax(s, key_pos, pos, m, qk_scale, SWAP)
+    p = p.to(vb.dtype)
     if SWAP:
         ones = tl.full((_SUM_ROWS, KV_BLOCK), 1.0, tl.float32).to(vb.dtype)
         l = tl.dot(ones, p, l * alpha, input_precision="ieee")
@@ -318,9 +346,21 @@ def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, 
 @triton.jit
 def _store_rows(out, lse, idx, keep, m, l, acc, D: tl.constexpr, SWAP: tl.constexpr):
     """Normalise and store rows; lse (log2 units) is what the backward recomputes P from."""
-    tl.store(out + _tile_offsets(idx, D, SWAP), (acc / _col(l, SWAP)).to(out.dtype.element_ty),
+    tl.store(out + _tile_offsets(idx, D, SWAP), _normalised(acc, l, SWAP).to(out.dtype.element_ty),
              mask=_col(keep, SWAP))
-    tl.store(lse + idx, m + tl.math.log2(l), mask=keep)
+    tl.store(lse + idx, _lse(m, l), mask=keep)
+
+
+@triton.jit
+def _normalised(acc, l, SWAP: tl.constexpr):
+    """A row state's output, in fp32 (also the Gluon forward's, _ws_consumer)."""
+    return acc / _col(l, SWAP)
+
+
+@triton.jit
+def _lse(m, l):
+    """A row state's log-sum-exp in log2 units: what the backward recomputes P from."""
+    return m + tl.math.log2(l)
 
 
 # ---- forward kernels -----------------------------------------------------------------------------
@@ -418,6 +458,193 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
         _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False)
 
 
+# ---- the forward over a linear K/V, warp-specialised (Gluon) ---------------------------------------
+# _prefill_kernel's tiles and folds (TUNING["prefill_linear"]["GLUON"]) with the schedule written out:
+# a producer warp brings every K/V block of the tile through TMA into a STAGES-deep ring, and two
+# consumer warpgroups, each with 64 of the tile's 128 rows, multiply and fold every block and merge
+# every chunk as _row_state does. They wait for nobody but the producer, so one folds while the other
+# multiplies. The same operations in the same order, per row:
+# - q.k, P@V and the ones-dot row sums are wgmma's m64nNk16 chains over the same k steps as tl.dot's
+#   (the instruction shapes of the tl kernel at 8 warps: tests/test_attention.py compares them);
+# - the softmax of a block is _block_softmax, the chunk merge _merge, the output _normalised and _lse: the
+#   tl functions, called from here;
+# - every block's K/V hold the tl kernel's values: the tile's descriptors end at its last key `hi`,
+#   so TMA fills the keys past it with zeros, as the masked loads of its last block do.
+_WS_TILE = gl.constexpr(128)  # rows of a program's tile (BLOCK_Q): two consumer warpgroups of _WS_HALF rows
+_WS_HALF = gl.constexpr(64)
+# registers a thread: the default partition (consumer 0) gets what the others leave (256); consumer 1
+# holds the running and the chunk state (2 x 64 fp32 a thread), a block's products and probabilities;
+# the producer only issues loads
+_WS_CONSUMER_REGISTERS = gl.constexpr(240)
+_WS_PRODUCER_REGISTERS = gl.constexpr(24)
+
+
+@gluon.jit
+def _load_rows_to_shared(src, tile_row0, begin, n_queries, kv_head, n_heads, dst, GROUP: gl.constexpr,
+                         LAYOUT: gl.constexpr):
+    """dst [ROWS, D] <- the rows tile_row0 .. + ROWS of a [tokens, heads, D] tensor, as the tl kernels
+    load a tile (_rows: (query, head) rows, past the sequence its last query)."""
+    ROWS: gl.constexpr = dst.shape[0]
+    D: gl.constexpr = dst.shape[1]
+    tok, head = _rows(tile_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT)), begin, n_queries, kv_head,
+                      GROUP)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, LAYOUT))
+    dst.store(gl.load(src + (tok * n_heads + head)[:, None] * D + cols[None, :]))
+
+
+@gluon.jit
+def _ws_producer(k_desc, v_desc, k_smem, v_smem, ready, empty, desc_row, col, last, STAGES: gl.constexpr):
+    """Blocks 0 .. last of the tile's keys, in order, into the ring: a slot is refilled once both
+    consumers freed it."""
+    KV_BLOCK: gl.constexpr = k_desc.block_type.shape[0]
+    for blk in range(0, last + 1):
+        st = blk % STAGES
+        mbarrier.wait(empty.index(st), ((blk // STAGES) & 1) ^ 1)  # (a slot's first use passes at once)
+        bar = ready.index(st)
+        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [desc_row + blk * KV_BLOCK, col], bar, k_smem.index(st))
+        tma.async_copy_global_to_shared(v_desc, [desc_row + blk * KV_BLOCK, col], bar, v_smem.index(st))
+
+
+@gluon.jit
+def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, row0, kv_head,
+                 n_heads, qk_scale, last, GROUP: gl.constexpr, KV_CHUNK: gl.constexpr, STAGES: gl.constexpr,
+                 OVERLAP: gl.constexpr):
+    """Rows row0 .. row0 + 63 of the tile: every block folded into the chunk state, chunk states
+    merged into the running state at each chunk's last block (or the tile's last), as _row_state."""
+    ROWS: gl.constexpr = q_smem.shape[0]
+    D: gl.constexpr = q_smem.shape[1]
+    KV_BLOCK: gl.constexpr = k_smem.shape[1]
+    SUM_COLS: gl.constexpr = ones_smem.shape[1]
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KV_BLOCK, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    L_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, SUM_COLS, 16])
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    rows = row0 + gl.arange(0, ROWS, layout=ROW_S)
+    tok, head = _rows(rows, begin, n_queries, kv_head, GROUP)
+    pos = _query_pos(q_pos, tok, rows, 0, n_queries, GROUP, False)
+    m = gl.full([ROWS], float("-inf"), gl.float32, ROW_O)  # the running state (l: a vector)
+    l = gl.zeros([ROWS], gl.float32, ROW_O)
+    acc = gl.zeros([ROWS, D], gl.float32, O_L)
+    m_c = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)  # the chunk state (l_c: its dot's tile)
+    l_c = gl.zeros([ROWS, SUM_COLS], gl.float32, L_L)
+    acc_c = gl.zeros([ROWS, D], gl.float32, O_L)
+    s0 = gl.zeros([ROWS, KV_BLOCK], gl.float32, S_L)
+    if OVERLAP:
+        # block blk's q.k runs while block blk - 1's P@V does, and block blk's softmax while that
+        # P@V finishes: block 0's q.k and softmax first, block last's P@V and merge after
+        mbarrier.wait(ready.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
+        m_c, alpha, p = _block_softmax(s, gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, S_L)), pos, m_c,
+                                       qk_scale, False)
+        p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
+        p_o = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, O_L, 2))
+        for blk in range(1, last + 1):
+            st = blk % STAGES
+            prev = (blk - 1) % STAGES
+            mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
+            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+            l_c = warpgroup_mma(p_l, ones_smem, l_c * gl.convert_layout(alpha, L_L), is_async=True)
+            acc_c = warpgroup_mma(p_o, v_smem.index(prev), acc_c * gl.convert_layout(alpha, O_L), is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=2, deps=(s, ))
+            m_done = m_c  # block blk - 1's chunk max
+            if blk % (KV_CHUNK // KV_BLOCK) == 0:  # block blk starts a chunk: from the empty state
+                m_c = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
+            key_pos = blk * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, S_L))
+            m_c, alpha, p = _block_softmax(s, key_pos, pos, m_c, qk_scale, False)
+            l_c, acc_c, p_l, p_o = warpgroup_mma_wait(num_outstanding=0, deps=(l_c, acc_c, p_l, p_o))
+            mbarrier.arrive(empty.index(prev), count=1)
+            p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
+            p_o = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, O_L, 2))
+            if blk % (KV_CHUNK // KV_BLOCK) == 0:  # block blk - 1 ended its chunk
+                m, l, acc = _merge(m, l, acc, gl.convert_layout(m_done, ROW_O),
+                                   gl.convert_layout(_row_max(l_c, False), ROW_O), acc_c, False)
+                l_c = gl.zeros([ROWS, SUM_COLS], gl.float32, L_L)
+                acc_c = gl.zeros([ROWS, D], gl.float32, O_L)
+        st = last % STAGES
+        l_c = warpgroup_mma(p_l, ones_smem, l_c * gl.convert_layout(alpha, L_L))
+        acc_c = warpgroup_mma(p_o, v_smem.index(st), acc_c * gl.convert_layout(alpha, O_L))
+        mbarrier.arrive(empty.index(st), count=1)
+        m, l, acc = _merge(m, l, acc, gl.convert_layout(m_c, ROW_O), gl.convert_layout(_row_max(l_c, False), ROW_O),
+                           acc_c, False)
+    else:
+        for blk in range(0, last + 1):
+            st = blk % STAGES
+            mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
+            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False)
+            key_pos = blk * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, S_L))
+            m_c, alpha, p = _block_softmax(s, key_pos, pos, m_c, qk_scale, False)
+            p = p.to(k_smem.dtype)
+            l_c = warpgroup_mma(gl.convert_layout(p, gl.DotOperandLayout(0, L_L, 2)), ones_smem,
+                                l_c * gl.convert_layout(alpha, L_L))
+            acc_c = warpgroup_mma(gl.convert_layout(p, gl.DotOperandLayout(0, O_L, 2)), v_smem.index(st),
+                                  acc_c * gl.convert_layout(alpha, O_L))
+            mbarrier.arrive(empty.index(st), count=1)
+            if ((blk + 1) % (KV_CHUNK // KV_BLOCK) == 0) | (blk == last):
+                # every column of l_c holds the same value, so the max reads it exactly
+                m, l, acc = _merge(m, l, acc, gl.convert_layout(m_c, ROW_O),
+                                   gl.convert_layout(_row_max(l_c, False), ROW_O), acc_c, False)
+                m_c = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
+                l_c = gl.zeros([ROWS, SUM_COLS], gl.float32, L_L)
+                acc_c = gl.zeros([ROWS, D], gl.float32, O_L)
+    rows = gl.convert_layout(rows, ROW_O)
+    tok, head = _rows(rows, begin, n_queries, kv_head, GROUP)
+    idx = tok * n_heads + head
+    keep = rows < n_queries * GROUP
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
+    gl.store(out + idx[:, None] * D + cols[None, :], _normalised(acc, l, False).to(out.dtype.element_ty),
+             mask=keep[:, None])
+    gl.store(lse + idx, _lse(m, l), mask=keep)
+
+
+@gluon.jit
+def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stride_table, stride_page, stride_slot,
+                       n_heads, kv_width, qk_scale, GROUP: gl.constexpr, D: gl.constexpr, KV_BLOCK: gl.constexpr,
+                       KV_CHUNK: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+    """_prefill_kernel over a linear K/V (TMA=True, FROM_LENS=False), warp-specialised: a program
+    per (128-row tile, kv head, sequence), the tiles with the latest queries first."""
+    tile = gl.num_programs(0) - 1 - gl.program_id(0)
+    kv_head = gl.program_id(1)
+    seq = gl.program_id(2)
+    begin, n_queries = _sequence(q_begin, q_count, seq, False)
+    if tile * _WS_TILE >= n_queries * GROUP:
+        return
+    dtype: gl.constexpr = q.dtype.element_ty
+    LOAD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    ONES_L: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
+    QS_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_WS_HALF, D], dtype)
+    KV_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KV_BLOCK, D], dtype)
+    rows = tile * _WS_TILE + gl.arange(0, _WS_TILE, layout=gl.SliceLayout(1, LOAD_L))
+    tok, head = _rows(rows, begin, n_queries, kv_head, GROUP)
+    hi = gl.max(gl.load(q_pos + tok), 0)
+    q0_smem = gl.allocate_shared_memory(dtype, [_WS_HALF, D], QS_L)
+    q1_smem = gl.allocate_shared_memory(dtype, [_WS_HALF, D], QS_L)
+    _load_rows_to_shared(q, tile * _WS_TILE, begin, n_queries, kv_head, n_heads, q0_smem, GROUP, LOAD_L)
+    _load_rows_to_shared(q, tile * _WS_TILE + _WS_HALF, begin, n_queries, kv_head, n_heads, q1_smem, GROUP, LOAD_L)
+    ones = gl.full([KV_BLOCK, _SUM_COLS], 1.0, gl.float32, ONES_L).to(dtype)
+    ones_smem = gl.allocate_shared_memory(dtype, [KV_BLOCK, _SUM_COLS],
+                                          gl.NVMMASharedLayout.get_default_for([KV_BLOCK, _SUM_COLS], dtype), ones)
+    # the tile's keys end at hi: TMA reads the rows past it as zeros
+    desc_row = gl.load(page_table + seq * stride_table) * (stride_page // stride_slot)
+    k_desc = tma.make_tensor_descriptor(k, [desc_row + hi + 1, kv_width], [stride_slot, 1], [KV_BLOCK, D], KV_L)
+    v_desc = tma.make_tensor_descriptor(v, [desc_row + hi + 1, kv_width], [stride_slot, 1], [KV_BLOCK, D], KV_L)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, KV_BLOCK, D], KV_L)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, KV_BLOCK, D], KV_L)
+    ready, empty = ring_barriers(STAGES)
+    fence_async_shared()  # the q and ones stores, before the wgmmas read them
+    last = hi // KV_BLOCK
+    gl.warp_specialize([
+        (_ws_consumer, (q0_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries,
+                        tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, OVERLAP)),
+        (_ws_consumer, (q1_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries,
+                        tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, OVERLAP)),
+        (_ws_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, desc_row, kv_head * D, last, STAGES)),
+    ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
+    invalidate_ring(ready, empty, STAGES)
+
+
 # ---- backward kernels (FA2 style; deterministic: every sum runs in a fixed loop, no atomics) ------
 
 @triton.jit
@@ -432,16 +659,30 @@ def _dkdv_tile(q, do, lse, delta, q_pos, kb, vb, key_pos, row0, q_first, n_queri
     cols = tl.arange(0, D)[None, :]
     q_tile = tl.load(q + idx[:, None] * D + cols)
     do_tile = tl.load(do + idx[:, None] * D + cols)
-    s_t = tl.dot(kb, tl.trans(q_tile), input_precision="ieee") * qk_scale - tl.load(lse + idx)[None, :]
-    if MASKED:
-        seen = (key_pos[:, None] <= tl.load(q_pos + tok)[None, :]) & (rows < n_queries * GROUP)[None, :]
-        s_t = tl.where(seen, s_t, float("-inf"))
-    p_t = tl.math.exp2(s_t)
+    p_t = _dkdv_probs(tl.dot(kb, tl.trans(q_tile), input_precision="ieee"), key_pos, q_pos, tok, rows, lse, idx,
+                      n_queries * GROUP, qk_scale, MASKED)
     dv_acc = tl.dot(p_t.to(do_tile.dtype), do_tile, dv_acc, input_precision="ieee")
     dp_t = tl.dot(vb, tl.trans(do_tile), input_precision="ieee")
-    ds_t = p_t * (dp_t - tl.load(delta + idx)[None, :])
+    ds_t = _dkdv_ds(p_t, dp_t, delta, idx)
     dk_acc = tl.dot(ds_t.to(q_tile.dtype), q_tile, dk_acc, input_precision="ieee")
     return dk_acc, dv_acc
+
+
+@triton.jit
+def _dkdv_probs(s_t, key_pos, q_pos, tok, rows, lse, idx, n_rows, qk_scale, MASKED: tl.constexpr):
+    """P^T of a (key block, query tile) from its k.q products s_t [keys, rows] (also the Gluon
+    dK/dV's): masked, keys after a row's position and rows past the sequence are exact zeros."""
+    s_t = s_t * qk_scale - tl.load(lse + idx)[None, :]
+    if MASKED:
+        seen = (key_pos[:, None] <= tl.load(q_pos + tok)[None, :]) & (rows < n_rows)[None, :]
+        s_t = tl.where(seen, s_t, float("-inf"))
+    return tl.math.exp2(s_t)
+
+
+@triton.jit
+def _dkdv_ds(p_t, dp_t, delta, idx):
+    """dS^T = P^T * (dP^T - delta) (also the Gluon dK/dV's)."""
+    return p_t * (dp_t - tl.load(delta + idx)[None, :])
 
 
 @triton.jit
@@ -563,6 +804,137 @@ def _bwd_dq_kernel(q, k, v, do, lse, delta, dq, q_begin, q_count, q_pos, page_ta
              mask=(rows < n_queries * GROUP)[:, None])
 
 
+# ---- dK/dV, warp-specialised (Gluon) ---------------------------------------------------------------
+# _bwd_dkdv_kernel's tiles (TUNING["bwd_dkdv"], GLUON: 128 keys a program, 64-row query tiles) with the
+# schedule written out: each consumer warpgroup owns 64 of the program's keys (their dK/dV elements are
+# the same sums: a key's row of a wgmma does not depend on the others), and a producer warp brings
+# every query tile's q and dO rows through TMA, once for both. A tile's rows are (query, head) pairs,
+# 64 / GROUP queries of GROUP heads: a [queries, GROUP, D] box of the [tokens, heads, D] tensors, in
+# the tl kernel's row order. Rows past the sequence hold the next tokens (or zeros) instead of the
+# last query repeated: their probabilities are exact zeros either way (_dkdv_probs masks them).
+@gluon.jit
+def _dkdv_ws_producer(q_desc, do_desc, q_smem, do_smem, ready, empty, q_first, kv_head, first, n_rows,
+                      GROUP: gl.constexpr, STAGES: gl.constexpr):
+    TILE_Q: gl.constexpr = q_desc.block_type.shape[0]  # queries of a tile
+    t = 0
+    for row0 in range(first, n_rows, TILE_Q * GROUP):
+        st = t % STAGES
+        mbarrier.wait(empty.index(st), ((t // STAGES) & 1) ^ 1)
+        bar = ready.index(st)
+        mbarrier.expect(bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_first + row0 // GROUP, kv_head * GROUP, 0], bar, q_smem.index(st))
+        tma.async_copy_global_to_shared(do_desc, [q_first + row0 // GROUP, kv_head * GROUP, 0], bar,
+                                        do_smem.index(st))
+        t += 1
+
+
+@gluon.jit
+def _dkdv_ws_consumer(k_smem, v_smem, q_smem, do_smem, ready, empty, dk, dv, lse, delta, q_pos, key0, n_keys,
+                      key_offsets_row, stride_slot, q_first, n_queries, kv_head, n_heads, qk_scale, scale, first, full,
+                      whole, n_rows, GROUP: gl.constexpr, STAGES: gl.constexpr):
+    """Keys key0 .. key0 + 63 of the program: every query tile from `first` on, in increasing order,
+    masked in [first, full) and [whole, n_rows) as _bwd_dkdv_kernel's loops."""
+    KEYS: gl.constexpr = k_smem.shape[0]
+    D: gl.constexpr = k_smem.shape[1]
+    ROWS: gl.constexpr = q_smem.shape[1] * q_smem.shape[2]
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    key_pos = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, S_L))
+    s0 = gl.zeros([KEYS, ROWS], gl.float32, S_L)
+    dk_acc = gl.zeros([KEYS, D], gl.float32, O_L)
+    dv_acc = gl.zeros([KEYS, D], gl.float32, O_L)
+    t = 0
+    for row0 in range(first, n_rows, ROWS):
+        st = t % STAGES
+        mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+        q_tile = q_smem.index(st).reshape([ROWS, D])
+        do_tile = do_smem.index(st).reshape([ROWS, D])
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, S_L))
+        tok, head = _rows(rows, q_first, n_queries, kv_head, GROUP)
+        idx = tok * n_heads + head
+        s_t = warpgroup_mma(k_smem, q_tile.permute((1, 0)), s0, use_acc=False)
+        if (row0 < full) | (row0 >= whole):
+            p_t = _dkdv_probs(s_t, key_pos, q_pos, tok, rows, lse, idx, n_rows, qk_scale, True)
+        else:
+            p_t = _dkdv_probs(s_t, key_pos, q_pos, tok, rows, lse, idx, n_rows, qk_scale, False)
+        dv_acc = warpgroup_mma(gl.convert_layout(p_t.to(do_tile.dtype), gl.DotOperandLayout(0, O_L, 2)), do_tile,
+                               dv_acc)
+        dp_t = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s0, use_acc=False)
+        ds_t = _dkdv_ds(p_t, dp_t, delta, idx)
+        dk_acc = warpgroup_mma(gl.convert_layout(ds_t.to(q_tile.dtype), gl.DotOperandLayout(0, O_L, 2)), q_tile,
+                               dk_acc)
+        mbarrier.arrive(empty.index(st), count=1)
+        t += 1
+    keys = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, O_L))
+    offsets = (key_offsets_row + keys.to(gl.int64) * stride_slot)[:, None] + gl.arange(0, D, layout=gl.SliceLayout(
+        0, O_L))[None, :]
+    keep = (keys < n_keys)[:, None]
+    gl.store(dk + offsets, (dk_acc * scale).to(dk.dtype.element_ty), mask=keep)
+    gl.store(dv + offsets, dv_acc.to(dv.dtype.element_ty), mask=keep)
+
+
+@gluon.jit
+def _bwd_dkdv_ws_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos, page_table, stride_table,
+                        stride_page, stride_head, stride_slot, kv_count, n_tokens, n_heads, qk_scale, scale,
+                        GROUP: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    """_bwd_dkdv_kernel over a linear K/V at 128 keys and 64-row query tiles, warp-specialised."""
+    block = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    seq = gl.program_id(2)
+    lo = block * _WS_TILE
+    n_keys = gl.load(kv_count + seq)
+    if lo >= n_keys:
+        return
+    dtype: gl.constexpr = q.dtype.element_ty
+    TILE_Q: gl.constexpr = _WS_HALF // GROUP
+    LOAD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    KS_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_WS_HALF, D], dtype)
+    QS_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_Q, GROUP, D], dtype)
+    # the program's keys as the tl kernel loads them (past the sequence: zeros), a half a consumer
+    key_row = gl.load(page_table + seq * stride_table).to(gl.int64) * stride_page + kv_head * stride_head
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD_L))
+    k0_smem = gl.allocate_shared_memory(dtype, [_WS_HALF, D], KS_L)
+    k1_smem = gl.allocate_shared_memory(dtype, [_WS_HALF, D], KS_L)
+    v0_smem = gl.allocate_shared_memory(dtype, [_WS_HALF, D], KS_L)
+    v1_smem = gl.allocate_shared_memory(dtype, [_WS_HALF, D], KS_L)
+    for half in gl.static_range(2):
+        keys = lo + half * _WS_HALF + gl.arange(0, _WS_HALF, layout=gl.SliceLayout(1, LOAD_L))
+        at = (key_row + keys.to(gl.int64) * stride_slot)[:, None] + cols[None, :]
+        ok = (keys < n_keys)[:, None]
+        if half == 0:
+            k0_smem.store(gl.load(k + at, mask=ok, other=0.0))
+            v0_smem.store(gl.load(v + at, mask=ok, other=0.0))
+        else:
+            k1_smem.store(gl.load(k + at, mask=ok, other=0.0))
+            v1_smem.store(gl.load(v + at, mask=ok, other=0.0))
+    n_queries = gl.load(q_count + seq)
+    q_first = gl.load(q_begin + seq)
+    n_rows = n_queries * GROUP
+    # the row ranges of _bwd_dkdv_kernel (query positions are consecutive)
+    pos0 = gl.load(q_pos + q_first)
+    first = gl.minimum(gl.maximum(lo - pos0, 0), n_queries) * GROUP // _WS_HALF * _WS_HALF
+    whole = n_rows // _WS_HALF * _WS_HALF
+    sees_all = gl.minimum(gl.maximum(lo + _WS_TILE - 1 - pos0, 0), n_queries) * GROUP
+    full = gl.maximum(first, gl.minimum(gl.cdiv(sees_all, _WS_HALF) * _WS_HALF, whole))
+    q_desc = tma.make_tensor_descriptor(q, [n_tokens, n_heads, D], [n_heads * D, D, 1], [TILE_Q, GROUP, D], QS_L)
+    do_desc = tma.make_tensor_descriptor(do, [n_tokens, n_heads, D], [n_heads * D, D, 1], [TILE_Q, GROUP, D], QS_L)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE_Q, GROUP, D], QS_L)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE_Q, GROUP, D], QS_L)
+    ready, empty = ring_barriers(STAGES)
+    fence_async_shared()  # the k and v stores, before the wgmmas read them
+    gl.warp_specialize([
+        (_dkdv_ws_consumer, (k0_smem, v0_smem, q_smem, do_smem, ready, empty, dk, dv, lse, delta, q_pos, lo, n_keys,
+                             key_row, stride_slot, q_first, n_queries, kv_head, n_heads, qk_scale, scale, first, full,
+                             whole, n_rows, GROUP, STAGES)),
+        (_dkdv_ws_consumer, (k1_smem, v1_smem, q_smem, do_smem, ready, empty, dk, dv, lse, delta, q_pos,
+                             lo + _WS_HALF, n_keys, key_row, stride_slot, q_first, n_queries, kv_head, n_heads,
+                             qk_scale, scale, first, full, whole, n_rows, GROUP, STAGES)),
+        (_dkdv_ws_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, q_first, kv_head, first, n_rows, GROUP,
+                             STAGES)),
+    ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
+    invalidate_ring(ready, empty, STAGES)
+
+
 # ---- host side: where each sequence's queries and keys are -----------------------------------------
 
 class _Queries(NamedTuple):
@@ -681,6 +1053,14 @@ def _forward(queries: _Queries, keys: _Keys, scale: float, decode: bool) -> tupl
     if queries.max_count > 1 or not decode:
         linear = keys.page_size == _LINEAR_PAGE
         cfg = TUNING["prefill_linear" if linear else "prefill"]
+        if linear and not decode and cfg.get("GLUON") and _gluon_route(queries, keys):
+            install_descriptor_allocator(q.device)  # the tile's descriptors are made on the device
+            _prefill_ws_kernel[(triton.cdiv(queries.max_count * group, _WS_TILE.value), keys.n_heads, n_seqs)](
+                q, keys.k, keys.v, out, lse, queries.begin, queries.count, queries.pos, keys.table,
+                keys.table.stride(0), keys.stride_page, keys.stride_slot, h, keys.n_heads * d, qk_scale, GROUP=group,
+                D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, STAGES=cfg["num_stages"], OVERLAP=cfg.get("OVERLAP", False),
+                num_warps=4)
+            return out, lse
         descs = _descriptors(keys, KV_BLOCK) if linear and cfg.get("TMA") else (None, None)
         tiles = triton.cdiv(queries.max_count * group, cfg["BLOCK_Q"])
         _prefill_kernel[(tiles, keys.n_heads, n_seqs)](
@@ -697,20 +1077,37 @@ def _tma_capable(t: torch.Tensor) -> bool:
     return INTERPRETING or (t.is_cuda and t.element_size() == 2 and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
+def _tma_rows(keys: _Keys) -> bool:
+    """Whether TMA can read a linear K/V as a [rows, kv heads * D] matrix (the key at position p of
+    page r is row r * stride_page // stride_slot + p): a device with TMA, and a layout it can
+    address (head dims contiguous, rows 16-byte aligned)."""
+    k, v = keys.k, keys.v
+    width = keys.n_heads * k.shape[-1]
+    return (_tma_capable(k) and keys.stride_head == k.shape[-1] and keys.stride_slot == width
+            and keys.stride_page % keys.stride_slot == 0 and k.is_contiguous() and v.is_contiguous()
+            and is_aligned(k) and is_aligned(v) and (width * k.element_size()) % ALIGN_BYTES == 0)
+
+
 def _descriptors(keys: _Keys, block: int) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
-    """TMA descriptors of a linear K/V as [rows, kv heads * D] matrices of block x D blocks (the
-    key at position p of page r is row r * stride_page // stride_slot + p), or (None, None) where
-    TMA cannot take it: no TMA on this device, or a layout it cannot address (head dims not
-    contiguous, or a row stride not 16-byte aligned)."""
+    """TMA descriptors of a linear K/V as [rows, kv heads * D] matrices of block x D blocks, or
+    (None, None) where TMA cannot take it (_tma_rows)."""
+    if not _tma_rows(keys):
+        return None, None
     k, v = keys.k, keys.v
     d = k.shape[-1]
     width = keys.n_heads * d
-    if not (_tma_capable(k) and keys.stride_head == d and keys.stride_slot == width
-            and keys.stride_page % keys.stride_slot == 0 and k.is_contiguous() and v.is_contiguous()
-            and is_aligned(k) and is_aligned(v) and (width * k.element_size()) % ALIGN_BYTES == 0):
-        return None, None
     rows = k.numel() // width
     return tuple(TensorDescriptor(t, [rows, width], [width, 1], [block, d]) for t in (k, v))
+
+
+def _gluon_route(queries: _Queries, keys: _Keys) -> bool:
+    """Whether the Gluon kernels (_prefill_ws_kernel, _bwd_dkdv_ws_kernel) can take a call where their
+    TUNING entry asks for them: a linear K/V that TMA reads, on Hopper itself (their MMAs are wgmma),
+    queries with their own positions (not from_lens), and a head dim whose tiles fit shared memory
+    (16-bit, D <= 128)."""
+    k = keys.k
+    return (not INTERPRETING and not queries.from_lens and k.is_cuda and _tma_rows(keys)
+            and torch.cuda.get_device_capability(k.device)[0] == 9 and k.shape[-1] <= 128)
 
 
 def decode_swapped(head_dim: int) -> bool:
@@ -772,9 +1169,17 @@ def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):
     n_seqs, group, qk_scale = queries.n_seqs, h // keys.n_heads, scale * _LOG2E
     seq_args = (queries.begin, queries.count, queries.pos, *_page_args(keys))
     cfg = TUNING["bwd_dkdv"]
-    _bwd_dkdv_kernel[(triton.cdiv(keys.max_count, cfg["BLOCK_KV"]), keys.n_heads, n_seqs)](
-        q, keys.k, keys.v, grad, lse, delta, dk, dv, *seq_args, keys.count, h, qk_scale, scale, GROUP=group, D=d,
-        BLOCK_Q=cfg["BLOCK_Q"], BLOCK_KV=cfg["BLOCK_KV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    # the Gluon form runs 64-row query tiles (the table's, so the table's sums) of whole queries
+    if cfg.get("GLUON") and _gluon_route(queries, keys) and cfg["BLOCK_Q"] == _WS_HALF.value and _WS_HALF.value % group == 0:
+        install_descriptor_allocator(q.device)  # the q and dO descriptors are made on the device
+        _bwd_dkdv_ws_kernel[(triton.cdiv(keys.max_count, _WS_TILE.value), keys.n_heads, n_seqs)](
+            q, keys.k, keys.v, grad, lse, delta, dk, dv, *seq_args[:5], keys.stride_page, keys.stride_head,
+            keys.stride_slot, keys.count, n, h, qk_scale, scale, GROUP=group, D=d, STAGES=cfg["GLUON_STAGES"],
+            num_warps=4)
+    else:
+        _bwd_dkdv_kernel[(triton.cdiv(keys.max_count, cfg["BLOCK_KV"]), keys.n_heads, n_seqs)](
+            q, keys.k, keys.v, grad, lse, delta, dk, dv, *seq_args, keys.count, h, qk_scale, scale, GROUP=group, D=d,
+            BLOCK_Q=cfg["BLOCK_Q"], BLOCK_KV=cfg["BLOCK_KV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = TUNING["bwd_dq"]
     descs = _descriptors(keys, cfg["BLOCK_KV"]) if cfg.get("TMA") else (None, None)
     _bwd_dq_kernel[(triton.cdiv(queries.max_count * group, cfg["BLOCK_Q"]), keys.n_heads, n_seqs)](
