@@ -55,8 +55,7 @@ import triton.language as tl
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
@@ -90,12 +89,12 @@ TUNING = {
     # against 2.39-2.43 ms for the registers-ahead schedule (1.14x); 2 / 4 stages 2.52-2.59 / 2.26-2.44;
     # 64-row tiles at 4 warps (two programs an SM) 2.59-3.11
     # GLUON (16-bit, Hopper): the same tiles and folds as the warp-specialised _prefill_ws_kernel (a
-    # producer warp, two consumer warpgroups of 64 rows, a ring of num_stages blocks); OVERLAP: each
-    # consumer's next q.k beside its P@V (FA3's pipelining inside a warpgroup). The same sweep, one
-    # call: 1.60 ms with OVERLAP at 3 stages, 1.64-1.66 without (2-4 stages), against 2.04-2.07 for the
-    # tl kernel (1.27x); OVERLAP at 2 / 4 stages 1.92 / 1.87
-    "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True,
-                           OVERLAP=True),
+    # producer warp, two consumer warpgroups of 64 rows, a ring of num_stages blocks). The same sweep,
+    # two calls: 1.66 / 1.68 ms at 3 stages (2: 1.64 / 1.76, 4: 1.65 / 1.83), against 2.07 / 2.36 for
+    # the tl kernel's 3 stages. Each consumer's next q.k issued beside its P@V (FA3's pipelining inside
+    # a warpgroup) read 1.60 / 1.85, the consumers taking turns to issue their MMAs (FA3's ping-pong)
+    # 1.65 (second call): within the noise of the plain schedule, not kept
+    "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
     # group's query heads; the last of them to finish merges the chunk states, or with P = 1 the one
     # program merges in registers. SWAP: the dots run with their operands swapped, the heads as the
@@ -111,7 +110,8 @@ TUNING = {
     # one head through TMA (head-major sums) measured 5.12-5.77 ms: not kept
     # GLUON (16-bit, Hopper, BLOCK_Q 64): the same sums as the warp-specialised _bwd_dkdv_ws_kernel (128
     # keys, two consumer warpgroups of 64, a producer warp bringing the query tiles through TMA into a
-    # ring of GLUON_STAGES): whole backward 4.40 ms at 2 stages, 4.60 at 3, against 4.60 for the tl kernel
+    # ring of GLUON_STAGES): whole backward 4.30-4.40 ms at 2 stages, 4.48-4.60 at 3, against 4.60-4.61
+    # for the tl kernel (two calls); dP's MMA issued beside P's exponentials read 4.71: not kept
     "bwd_dkdv": dict(BLOCK_Q=64, BLOCK_KV=128, num_warps=8, num_stages=3, GLUON=True, GLUON_STAGES=2),
     # one program per (sequence, kv head, BLOCK_Q rows), looping over BLOCK_KV-key blocks; TMA: over
     # a linear K/V (training's is), the blocks before the tile's last through descriptors (170
@@ -513,9 +513,8 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, ready, empty, desc_row, col, la
 
 
 @gluon.jit
-def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, turns, out, lse, q_pos, begin, n_queries, row0,
-                 kv_head, n_heads, qk_scale, last, ME: gl.constexpr, GROUP: gl.constexpr, KV_CHUNK: gl.constexpr,
-                 STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, row0, kv_head,
+                 n_heads, qk_scale, last, GROUP: gl.constexpr, KV_CHUNK: gl.constexpr, STAGES: gl.constexpr):
     """Rows row0 .. row0 + 63 of the tile: every block folded into the chunk state, chunk states
     merged into the running state at each chunk's last block (or the tile's last), as _row_state."""
     ROWS: gl.constexpr = q_smem.shape[0]
@@ -538,77 +537,25 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, turns, out, ls
     l_c = gl.zeros([ROWS, SUM_COLS], gl.float32, L_L)
     acc_c = gl.zeros([ROWS, D], gl.float32, O_L)
     s0 = gl.zeros([ROWS, KV_BLOCK], gl.float32, S_L)
-    if OVERLAP:
-        # block blk's q.k runs while block blk - 1's P@V does, and block blk's softmax while that
-        # P@V finishes: block 0's q.k and softmax first, block last's P@V and merge after
-        mbarrier.wait(ready.index(0), 0)
-        if PINGPONG:  # the consumers take turns to issue their MMAs (FA3's ping-pong): block 0's q.k
-            mbarrier.wait(turns.index(ME), ME ^ 1)
-        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False, is_async=PINGPONG)
-        if PINGPONG:
-            mbarrier.arrive(turns.index(1 - ME), count=1)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        m_c, alpha, p = _block_softmax(s, gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, S_L)), pos, m_c,
-                                       qk_scale, False)
-        p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
-        p_o = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, O_L, 2))
-        for blk in range(1, last + 1):
-            st = blk % STAGES
-            prev = (blk - 1) % STAGES
-            mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
-            if PINGPONG:
-                mbarrier.wait(turns.index(ME), (blk & 1) ^ ME ^ 1)
-            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
-            l_c = warpgroup_mma(p_l, ones_smem, l_c * gl.convert_layout(alpha, L_L), is_async=True)
-            acc_c = warpgroup_mma(p_o, v_smem.index(prev), acc_c * gl.convert_layout(alpha, O_L), is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turns.index(1 - ME), count=1)
-            s = warpgroup_mma_wait(num_outstanding=2, deps=(s, ))
-            m_done = m_c  # block blk - 1's chunk max
-            if blk % (KV_CHUNK // KV_BLOCK) == 0:  # block blk starts a chunk: from the empty state
-                m_c = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
-            key_pos = blk * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, S_L))
-            m_c, alpha, p = _block_softmax(s, key_pos, pos, m_c, qk_scale, False)
-            l_c, acc_c, p_l, p_o = warpgroup_mma_wait(num_outstanding=0, deps=(l_c, acc_c, p_l, p_o))
-            mbarrier.arrive(empty.index(prev), count=1)
-            p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
-            p_o = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, O_L, 2))
-            if blk % (KV_CHUNK // KV_BLOCK) == 0:  # block blk - 1 ended its chunk
-                m, l, acc = _merge(m, l, acc, gl.convert_layout(m_done, ROW_O),
-                                   gl.convert_layout(_row_max(l_c, False), ROW_O), acc_c, False)
-                l_c = gl.zeros([ROWS, SUM_COLS], gl.float32, L_L)
-                acc_c = gl.zeros([ROWS, D], gl.float32, O_L)
-        st = last % STAGES
-        if PINGPONG:
-            mbarrier.wait(turns.index(ME), ((last + 1) & 1) ^ ME ^ 1)
-        l_c = warpgroup_mma(p_l, ones_smem, l_c * gl.convert_layout(alpha, L_L), is_async=PINGPONG)
-        acc_c = warpgroup_mma(p_o, v_smem.index(st), acc_c * gl.convert_layout(alpha, O_L), is_async=PINGPONG)
-        if PINGPONG:
-            mbarrier.arrive(turns.index(1 - ME), count=1)
-            l_c, acc_c = warpgroup_mma_wait(num_outstanding=0, deps=(l_c, acc_c))
+    for blk in range(0, last + 1):
+        st = blk % STAGES
+        mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False)
+        key_pos = blk * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, S_L))
+        m_c, alpha, p = _block_softmax(s, key_pos, pos, m_c, qk_scale, False)
+        p = p.to(k_smem.dtype)
+        l_c = warpgroup_mma(gl.convert_layout(p, gl.DotOperandLayout(0, L_L, 2)), ones_smem,
+                            l_c * gl.convert_layout(alpha, L_L))
+        acc_c = warpgroup_mma(gl.convert_layout(p, gl.DotOperandLayout(0, O_L, 2)), v_smem.index(st),
+                              acc_c * gl.convert_layout(alpha, O_L))
         mbarrier.arrive(empty.index(st), count=1)
-        m, l, acc = _merge(m, l, acc, gl.convert_layout(m_c, ROW_O), gl.convert_layout(_row_max(l_c, False), ROW_O),
-                           acc_c, False)
-    else:
-        for blk in range(0, last + 1):
-            st = blk % STAGES
-            mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False)
-            key_pos = blk * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, S_L))
-            m_c, alpha, p = _block_softmax(s, key_pos, pos, m_c, qk_scale, False)
-            p = p.to(k_smem.dtype)
-            l_c = warpgroup_mma(gl.convert_layout(p, gl.DotOperandLayout(0, L_L, 2)), ones_smem,
-                                l_c * gl.convert_layout(alpha, L_L))
-            acc_c = warpgroup_mma(gl.convert_layout(p, gl.DotOperandLayout(0, O_L, 2)), v_smem.index(st),
-                                  acc_c * gl.convert_layout(alpha, O_L))
-            mbarrier.arrive(empty.index(st), count=1)
-            if ((blk + 1) % (KV_CHUNK // KV_BLOCK) == 0) | (blk == last):
-                # every column of l_c holds the same value, so the max reads it exactly
-                m, l, acc = _merge(m, l, acc, gl.convert_layout(m_c, ROW_O),
-                                   gl.convert_layout(_row_max(l_c, False), ROW_O), acc_c, False)
-                m_c = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
-                l_c = gl.zeros([ROWS, SUM_COLS], gl.float32, L_L)
-                acc_c = gl.zeros([ROWS, D], gl.float32, O_L)
+        if ((blk + 1) % (KV_CHUNK // KV_BLOCK) == 0) | (blk == last):
+            # every column of l_c holds the same value, so the max reads it exactly
+            m, l, acc = _merge(m, l, acc, gl.convert_layout(m_c, ROW_O),
+                               gl.convert_layout(_row_max(l_c, False), ROW_O), acc_c, False)
+            m_c = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
+            l_c = gl.zeros([ROWS, SUM_COLS], gl.float32, L_L)
+            acc_c = gl.zeros([ROWS, D], gl.float32, O_L)
     rows = gl.convert_layout(rows, ROW_O)
     tok, head = _rows(rows, begin, n_queries, kv_head, GROUP)
     idx = tok * n_heads + head
@@ -622,7 +569,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, turns, out, ls
 @gluon.jit
 def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stride_table, stride_page, stride_slot,
                        n_heads, kv_width, qk_scale, GROUP: gl.constexpr, D: gl.constexpr, KV_BLOCK: gl.constexpr,
-                       KV_CHUNK: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+                       KV_CHUNK: gl.constexpr, STAGES: gl.constexpr):
     """_prefill_kernel over a linear K/V (TMA=True, FROM_LENS=False), warp-specialised: a program
     per (128-row tile, kv head, sequence), the tiles with the latest queries first."""
     tile = gl.num_programs(0) - 1 - gl.program_id(0)
@@ -653,23 +600,16 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, KV_BLOCK, D], KV_L)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, KV_BLOCK, D], KV_L)
     ready, empty = ring_barriers(STAGES)
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG: whose MMAs go next
-    for i in gl.static_range(2):
-        mbarrier.init(turns.index(i), count=1)
     fence_async_shared()  # the q and ones stores, before the wgmmas read them
     last = hi // KV_BLOCK
     gl.warp_specialize([
-        (_ws_consumer, (q0_smem, ones_smem, k_smem, v_smem, ready, empty, turns, out, lse, q_pos, begin, n_queries,
-                        tile * _WS_TILE, kv_head, n_heads, qk_scale, last, 0, GROUP, KV_CHUNK, STAGES, OVERLAP,
-                        PINGPONG)),
-        (_ws_consumer, (q1_smem, ones_smem, k_smem, v_smem, ready, empty, turns, out, lse, q_pos, begin, n_queries,
-                        tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, 1, GROUP, KV_CHUNK, STAGES,
-                        OVERLAP, PINGPONG)),
+        (_ws_consumer, (q0_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries,
+                        tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES)),
+        (_ws_consumer, (q1_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries,
+                        tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES)),
         (_ws_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, desc_row, kv_head * D, last, STAGES)),
     ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
     invalidate_ring(ready, empty, STAGES)
-    for i in gl.static_range(2):
-        mbarrier.invalidate(turns.index(i))
 
 
 # ---- backward kernels (FA2 style; deterministic: every sum runs in a fixed loop, no atomics) ------
@@ -858,7 +798,7 @@ def _dkdv_ws_producer(q_desc, do_desc, q_smem, do_smem, ready, empty, q_first, k
 @gluon.jit
 def _dkdv_ws_consumer(k_smem, v_smem, q_smem, do_smem, ready, empty, dk, dv, lse, delta, q_pos, key0, n_keys,
                       key_offsets_row, stride_slot, q_first, n_queries, kv_head, n_heads, qk_scale, scale, first, full,
-                      whole, n_rows, GROUP: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+                      whole, n_rows, GROUP: gl.constexpr, STAGES: gl.constexpr):
     """Keys key0 .. key0 + 63 of the program: every query tile from `first` on, in increasing order,
     masked in [first, full) and [whole, n_rows) as _bwd_dkdv_kernel's loops."""
     KEYS: gl.constexpr = k_smem.shape[0]
@@ -879,25 +819,17 @@ def _dkdv_ws_consumer(k_smem, v_smem, q_smem, do_smem, ready, empty, dk, dv, lse
         rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, S_L))
         tok, head = _rows(rows, q_first, n_queries, kv_head, GROUP)
         idx = tok * n_heads + head
-        # OVERLAP: dP^T's MMA runs beside P^T's exponentials, dV's beside dS^T (the same MMAs)
-        s_t = warpgroup_mma(k_smem, q_tile.permute((1, 0)), s0, use_acc=False, is_async=OVERLAP)
-        if OVERLAP:
-            dp_t = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s0, use_acc=False, is_async=True)
-            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+        s_t = warpgroup_mma(k_smem, q_tile.permute((1, 0)), s0, use_acc=False)
         if (row0 < full) | (row0 >= whole):
             p_t = _dkdv_probs(s_t, key_pos, q_pos, tok, rows, lse, idx, n_rows, qk_scale, True)
         else:
             p_t = _dkdv_probs(s_t, key_pos, q_pos, tok, rows, lse, idx, n_rows, qk_scale, False)
-        p_op = gl.convert_layout(p_t.to(do_tile.dtype), gl.DotOperandLayout(0, O_L, 2))
-        dv_acc = warpgroup_mma(p_op, do_tile, dv_acc, is_async=OVERLAP)
-        if OVERLAP:
-            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
-        else:
-            dp_t = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s0, use_acc=False)
-        ds_op = gl.convert_layout(_dkdv_ds(p_t, dp_t, delta, idx).to(q_tile.dtype), gl.DotOperandLayout(0, O_L, 2))
-        dk_acc = warpgroup_mma(ds_op, q_tile, dk_acc, is_async=OVERLAP)
-        if OVERLAP:
-            dv_acc, dk_acc, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_acc, dk_acc, p_op, ds_op))
+        dv_acc = warpgroup_mma(gl.convert_layout(p_t.to(do_tile.dtype), gl.DotOperandLayout(0, O_L, 2)), do_tile,
+                               dv_acc)
+        dp_t = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s0, use_acc=False)
+        ds_t = _dkdv_ds(p_t, dp_t, delta, idx)
+        dk_acc = warpgroup_mma(gl.convert_layout(ds_t.to(q_tile.dtype), gl.DotOperandLayout(0, O_L, 2)), q_tile,
+                               dk_acc)
         mbarrier.arrive(empty.index(st), count=1)
         t += 1
     keys = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, O_L))
@@ -911,7 +843,7 @@ def _dkdv_ws_consumer(k_smem, v_smem, q_smem, do_smem, ready, empty, dk, dv, lse
 @gluon.jit
 def _bwd_dkdv_ws_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos, page_table, stride_table,
                         stride_page, stride_head, stride_slot, kv_count, n_tokens, n_heads, qk_scale, scale,
-                        GROUP: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+                        GROUP: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     """_bwd_dkdv_kernel over a linear K/V at 128 keys and 64-row query tiles, warp-specialised."""
     block = gl.program_id(0)
     kv_head = gl.program_id(1)
@@ -960,10 +892,10 @@ def _bwd_dkdv_ws_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos
     gl.warp_specialize([
         (_dkdv_ws_consumer, (k0_smem, v0_smem, q_smem, do_smem, ready, empty, dk, dv, lse, delta, q_pos, lo, n_keys,
                              key_row, stride_slot, q_first, n_queries, kv_head, n_heads, qk_scale, scale, first, full,
-                             whole, n_rows, GROUP, STAGES, OVERLAP)),
+                             whole, n_rows, GROUP, STAGES)),
         (_dkdv_ws_consumer, (k1_smem, v1_smem, q_smem, do_smem, ready, empty, dk, dv, lse, delta, q_pos,
                              lo + _WS_HALF, n_keys, key_row, stride_slot, q_first, n_queries, kv_head, n_heads,
-                             qk_scale, scale, first, full, whole, n_rows, GROUP, STAGES, OVERLAP)),
+                             qk_scale, scale, first, full, whole, n_rows, GROUP, STAGES)),
         (_dkdv_ws_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, q_first, kv_head, first, n_rows, GROUP,
                              STAGES)),
     ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
@@ -1093,8 +1025,7 @@ def _forward(queries: _Queries, keys: _Keys, scale: float, decode: bool) -> tupl
             _prefill_ws_kernel[(triton.cdiv(queries.max_count * group, _WS_TILE.value), keys.n_heads, n_seqs)](
                 q, keys.k, keys.v, out, lse, queries.begin, queries.count, queries.pos, keys.table,
                 keys.table.stride(0), keys.stride_page, keys.stride_slot, h, keys.n_heads * d, qk_scale, GROUP=group,
-                D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, STAGES=cfg["num_stages"], OVERLAP=cfg.get("OVERLAP", False),
-                PINGPONG=cfg.get("PINGPONG", False), num_warps=4)
+                D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, STAGES=cfg["num_stages"], num_warps=4)
             return out, lse
         descs = _descriptors(keys, KV_BLOCK) if linear and cfg.get("TMA") else (None, None)
         tiles = triton.cdiv(queries.max_count * group, cfg["BLOCK_Q"])
@@ -1210,7 +1141,7 @@ def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):
         _bwd_dkdv_ws_kernel[(triton.cdiv(keys.max_count, _WS_TILE.value), keys.n_heads, n_seqs)](
             q, keys.k, keys.v, grad, lse, delta, dk, dv, *seq_args[:5], keys.stride_page, keys.stride_head,
             keys.stride_slot, keys.count, n, h, qk_scale, scale, GROUP=group, D=d, STAGES=cfg["GLUON_STAGES"],
-            OVERLAP=cfg.get("OVERLAP", False), num_warps=4)
+            num_warps=4)
     else:
         _bwd_dkdv_kernel[(triton.cdiv(keys.max_count, cfg["BLOCK_KV"]), keys.n_heads, n_seqs)](
             q, keys.k, keys.v, grad, lse, delta, dk, dv, *seq_args, keys.count, h, qk_scale, scale, GROUP=group, D=d,
