@@ -44,8 +44,7 @@ CANDIDATES = {
     # 64-row tiles on one warpgroup: two programs an SM, each one's softmax beside the other's MMAs
     + [dict(GLUON=False, TMA=True, PREFETCH=False, BLOCK_Q=64, num_warps=4, num_stages=s) for s in (2, 3, 4)]
     # the warp-specialised Gluon kernel: a producer warp, two consumer warpgroups, a ring of num_stages
-    # (OVERLAP: a block's q.k beside the last block's P@V, FA3's pipelining inside a warpgroup)
-    + [dict(GLUON=True, OVERLAP=o, num_stages=s) for o in (False, True) for s in (2, 3, 4)],
+    + [dict(GLUON=True, num_stages=s) for s in (2, 3, 4)],
     # one program per BLOCK_KV keys looping over BLOCK_Q-row query tiles / one per BLOCK_Q rows over
     # BLOCK_KV-key blocks
     "bwd_dkdv": [dict(BLOCK_KV=kv, BLOCK_Q=bq, num_warps=w, num_stages=st, GLUON=False)

@@ -316,8 +316,7 @@ linear = compile_sm90(A._prefill_kernel, lambda n: desc if n.endswith("_desc") e
                       cfg["num_warps"], cfg["num_stages"])
 WS_INTS = {"stride_table", "stride_page", "stride_slot", "n_heads", "kv_width"}
 gluon = compile_sm90(A._prefill_ws_kernel, lambda n: "i32" if n in WS_INTS else types(n),
-                     dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, STAGES=cfg["num_stages"],
-                          OVERLAP=cfg.get("OVERLAP", False)), 4, 1)
+                     dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, STAGES=cfg["num_stages"]), 4, 1)
 bwd_types = lambda n: "fp32" if n in ("qk_scale", "scale") else "*fp32" if n == "delta" else types(n)
 cfg = A.TUNING["bwd_dkdv"]
 dkdv = compile_sm90(A._bwd_dkdv_kernel, lambda n: "*i32" if n == "kv_count" else bwd_types(n),
@@ -453,8 +452,7 @@ def test_gpu_accuracy_and_deterministic_backward(gpu_triton):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [32, 16], ids=["group4", "group2"])
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
-def test_gpu_warp_specialized_forward_gives_the_tl_kernels_bits(gpu_triton, monkeypatch, heads, overlap):
+def test_gpu_warp_specialized_forward_gives_the_tl_kernels_bits(gpu_triton, monkeypatch, heads):
     """The Gluon kernels over a linear K/V (the forward and dK/dV: TUNING["prefill_linear"] and
     ["bwd_dkdv"] with GLUON) against the tl kernels, packed and padded, bf16, head_dim 128, 8 kv
     heads: the same outputs, lse and gradients, bit for bit, with tails of a block, a chunk and a
@@ -471,8 +469,7 @@ def test_gpu_warp_specialized_forward_gives_the_tl_kernels_bits(gpu_triton, monk
     grad = torch.randn_like(q)
 
     def run(gluon):
-        monkeypatch.setitem(A.TUNING, "prefill_linear", {**A.TUNING["prefill_linear"], "GLUON": gluon,
-                                                         "OVERLAP": overlap})
+        monkeypatch.setitem(A.TUNING, "prefill_linear", {**A.TUNING["prefill_linear"], "GLUON": gluon})
         monkeypatch.setitem(A.TUNING, "bwd_dkdv", {**A.TUNING["bwd_dkdv"], "GLUON": gluon})
         out, lse = torch.ops.lockstep.varlen_attention(q, k, v, cu, 0.088)
         grads = torch.ops.lockstep.varlen_attention_backward(grad, q, k, v, cu, out, lse, 0.088)

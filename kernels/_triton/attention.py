@@ -90,15 +90,13 @@ TUNING = {
     # against 2.39-2.43 ms for the registers-ahead schedule (1.14x); 2 / 4 stages 2.52-2.59 / 2.26-2.44;
     # 64-row tiles at 4 warps (two programs an SM) 2.59-3.11
     # GLUON (16-bit, Hopper): the same tiles and folds as the warp-specialised _prefill_ws_kernel (a
-    # producer warp, two consumer warpgroups of 64 rows, a ring of num_stages blocks); OVERLAP: each
-    # consumer's next q.k beside its P@V (FA3's pipelining inside a warpgroup). The same sweep, two
-    # calls: 1.60 / 1.85 ms with OVERLAP at 3 stages, 1.66 / 1.68 without, against 2.07 / 2.36 for the
-    # tl kernel's 3 stages; the consumers taking turns to issue their MMAs (FA3's ping-pong) 1.65, not
-    # kept. bench_attention.py's training table on one H200, the two schedules alternating (A/B/A/B):
-    # 4 x 4,096 fwd+bwd 6.73 / 6.69 ms with OVERLAP, 7.04 / 7.09 without; 1 x 4,096 2.93 / 2.73 and
-    # 2.82 / 3.03
-    "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True,
-                           OVERLAP=True),
+    # producer warp, two consumer warpgroups of 64 rows, a ring of num_stages blocks, each consumer's
+    # next q.k beside its P@V). The same sweep, two calls: 1.60 / 1.85 ms at 3 stages, against 2.07 /
+    # 2.36 for the tl kernel's 3 stages; 2 / 4 stages 1.92 / 1.87 (first call). Without the overlap
+    # inside a consumer 1.66 / 1.68, and bench_attention.py's training table, the two alternating on one
+    # H200 (A/B/A/B): 4 x 4,096 fwd+bwd 6.73 / 6.69 ms with it, 7.04 / 7.09 without (1 x 4,096 2.93 /
+    # 2.73 and 2.82 / 3.03). The consumers taking turns to issue their MMAs (FA3's ping-pong): 1.65
+    "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
     # group's query heads; the last of them to finish merges the chunk states, or with P = 1 the one
     # program merges in registers. SWAP: the dots run with their operands swapped, the heads as the
@@ -518,9 +516,16 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, ready, empty, desc_row, col, la
 
 
 @gluon.jit
+def _ws_merge(m, l, acc, m_c, l_c, acc_c):
+    """_merge of a consumer's chunk state (m_c in the products' row layout, l_c its row-sum dot's
+    tile, every column equal, so the max reads it exactly) into the running state (rows in acc's)."""
+    row: gl.constexpr = m.type.layout
+    return _merge(m, l, acc, gl.convert_layout(m_c, row), gl.convert_layout(_row_max(l_c, False), row), acc_c, False)
+
+
+@gluon.jit
 def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, row0, kv_head,
-                 n_heads, qk_scale, last, GROUP: gl.constexpr, KV_CHUNK: gl.constexpr, STAGES: gl.constexpr,
-                 OVERLAP: gl.constexpr):
+                 n_heads, qk_scale, last, GROUP: gl.constexpr, KV_CHUNK: gl.constexpr, STAGES: gl.constexpr):
     """Rows row0 .. row0 + 63 of the tile: every block folded into the chunk state, chunk states
     merged into the running state at each chunk's last block (or the tile's last), as _row_state."""
     ROWS: gl.constexpr = q_smem.shape[0]
@@ -543,63 +548,41 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
     l_c = gl.zeros([ROWS, SUM_COLS], gl.float32, L_L)
     acc_c = gl.zeros([ROWS, D], gl.float32, O_L)
     s0 = gl.zeros([ROWS, KV_BLOCK], gl.float32, S_L)
-    if OVERLAP:
-        # block blk's q.k runs while block blk - 1's P@V does, and block blk's softmax while that
-        # P@V finishes: block 0's q.k and softmax first, block last's P@V and merge after
-        mbarrier.wait(ready.index(0), 0)
-        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
-        m_c, alpha, p = _block_softmax(s, gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, S_L)), pos, m_c,
-                                       qk_scale, False)
+    # block blk's q.k runs while block blk - 1's P@V does, and block blk's softmax while that P@V
+    # finishes (FA3's pipelining inside a warpgroup): block 0's q.k and softmax first, the last
+    # block's P@V and merge after
+    mbarrier.wait(ready.index(0), 0)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
+    m_c, alpha, p = _block_softmax(s, gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, S_L)), pos, m_c, qk_scale,
+                                   False)
+    p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
+    p_o = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, O_L, 2))
+    for blk in range(1, last + 1):
+        st = blk % STAGES
+        prev = (blk - 1) % STAGES
+        mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+        l_c = warpgroup_mma(p_l, ones_smem, l_c * gl.convert_layout(alpha, L_L), is_async=True)
+        acc_c = warpgroup_mma(p_o, v_smem.index(prev), acc_c * gl.convert_layout(alpha, O_L), is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=2, deps=(s, ))
+        m_done = m_c  # block blk - 1's chunk max
+        if blk % (KV_CHUNK // KV_BLOCK) == 0:  # block blk starts a chunk: from the empty state
+            m_c = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
+        key_pos = blk * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, S_L))
+        m_c, alpha, p = _block_softmax(s, key_pos, pos, m_c, qk_scale, False)
+        l_c, acc_c, p_l, p_o = warpgroup_mma_wait(num_outstanding=0, deps=(l_c, acc_c, p_l, p_o))
+        mbarrier.arrive(empty.index(prev), count=1)
         p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
         p_o = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, O_L, 2))
-        for blk in range(1, last + 1):
-            st = blk % STAGES
-            prev = (blk - 1) % STAGES
-            mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
-            l_c = warpgroup_mma(p_l, ones_smem, l_c * gl.convert_layout(alpha, L_L), is_async=True)
-            acc_c = warpgroup_mma(p_o, v_smem.index(prev), acc_c * gl.convert_layout(alpha, O_L), is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=2, deps=(s, ))
-            m_done = m_c  # block blk - 1's chunk max
-            if blk % (KV_CHUNK // KV_BLOCK) == 0:  # block blk starts a chunk: from the empty state
-                m_c = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
-            key_pos = blk * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, S_L))
-            m_c, alpha, p = _block_softmax(s, key_pos, pos, m_c, qk_scale, False)
-            l_c, acc_c, p_l, p_o = warpgroup_mma_wait(num_outstanding=0, deps=(l_c, acc_c, p_l, p_o))
-            mbarrier.arrive(empty.index(prev), count=1)
-            p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
-            p_o = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, O_L, 2))
-            if blk % (KV_CHUNK // KV_BLOCK) == 0:  # block blk - 1 ended its chunk
-                m, l, acc = _merge(m, l, acc, gl.convert_layout(m_done, ROW_O),
-                                   gl.convert_layout(_row_max(l_c, False), ROW_O), acc_c, False)
-                l_c = gl.zeros([ROWS, SUM_COLS], gl.float32, L_L)
-                acc_c = gl.zeros([ROWS, D], gl.float32, O_L)
-        st = last % STAGES
-        l_c = warpgroup_mma(p_l, ones_smem, l_c * gl.convert_layout(alpha, L_L))
-        acc_c = warpgroup_mma(p_o, v_smem.index(st), acc_c * gl.convert_layout(alpha, O_L))
-        mbarrier.arrive(empty.index(st), count=1)
-        m, l, acc = _merge(m, l, acc, gl.convert_layout(m_c, ROW_O), gl.convert_layout(_row_max(l_c, False), ROW_O),
-                           acc_c, False)
-    else:
-        for blk in range(0, last + 1):
-            st = blk % STAGES
-            mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False)
-            key_pos = blk * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, S_L))
-            m_c, alpha, p = _block_softmax(s, key_pos, pos, m_c, qk_scale, False)
-            p = p.to(k_smem.dtype)
-            l_c = warpgroup_mma(gl.convert_layout(p, gl.DotOperandLayout(0, L_L, 2)), ones_smem,
-                                l_c * gl.convert_layout(alpha, L_L))
-            acc_c = warpgroup_mma(gl.convert_layout(p, gl.DotOperandLayout(0, O_L, 2)), v_smem.index(st),
-                                  acc_c * gl.convert_layout(alpha, O_L))
-            mbarrier.arrive(empty.index(st), count=1)
-            if ((blk + 1) % (KV_CHUNK // KV_BLOCK) == 0) | (blk == last):
-                # every column of l_c holds the same value, so the max reads it exactly
-                m, l, acc = _merge(m, l, acc, gl.convert_layout(m_c, ROW_O),
-                                   gl.convert_layout(_row_max(l_c, False), ROW_O), acc_c, False)
-                m_c = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
-                l_c = gl.zeros([ROWS, SUM_COLS], gl.float32, L_L)
-                acc_c = gl.zeros([ROWS, D], gl.float32, O_L)
+        if blk % (KV_CHUNK // KV_BLOCK) == 0:  # block blk - 1 ended its chunk
+            m, l, acc = _ws_merge(m, l, acc, m_done, l_c, acc_c)
+            l_c = gl.zeros([ROWS, SUM_COLS], gl.float32, L_L)
+            acc_c = gl.zeros([ROWS, D], gl.float32, O_L)
+    st = last % STAGES
+    l_c = warpgroup_mma(p_l, ones_smem, l_c * gl.convert_layout(alpha, L_L))
+    acc_c = warpgroup_mma(p_o, v_smem.index(st), acc_c * gl.convert_layout(alpha, O_L))
+    mbarrier.arrive(empty.index(st), count=1)
+    m, l, acc = _ws_merge(m, l, acc, m_c, l_c, acc_c)
     rows = gl.convert_layout(rows, ROW_O)
     tok, head = _rows(rows, begin, n_queries, kv_head, GROUP)
     idx = tok * n_heads + head
@@ -613,7 +596,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
 @gluon.jit
 def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stride_table, stride_page, stride_slot,
                        n_heads, kv_width, qk_scale, GROUP: gl.constexpr, D: gl.constexpr, KV_BLOCK: gl.constexpr,
-                       KV_CHUNK: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+                       KV_CHUNK: gl.constexpr, STAGES: gl.constexpr):
     """_prefill_kernel over a linear K/V (TMA=True, FROM_LENS=False), warp-specialised: a program
     per (128-row tile, kv head, sequence), the tiles with the latest queries first."""
     tile = gl.num_programs(0) - 1 - gl.program_id(0)
@@ -648,9 +631,9 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
     last = hi // KV_BLOCK
     gl.warp_specialize([
         (_ws_consumer, (q0_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries,
-                        tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, OVERLAP)),
+                        tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES)),
         (_ws_consumer, (q1_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries,
-                        tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, OVERLAP)),
+                        tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES)),
         (_ws_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, desc_row, kv_head * D, last, STAGES)),
     ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
     invalidate_ring(ready, empty, STAGES)
@@ -1069,8 +1052,7 @@ def _forward(queries: _Queries, keys: _Keys, scale: float, decode: bool) -> tupl
             _prefill_ws_kernel[(triton.cdiv(queries.max_count * group, _WS_TILE.value), keys.n_heads, n_seqs)](
                 q, keys.k, keys.v, out, lse, queries.begin, queries.count, queries.pos, keys.table,
                 keys.table.stride(0), keys.stride_page, keys.stride_slot, h, keys.n_heads * d, qk_scale, GROUP=group,
-                D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, STAGES=cfg["num_stages"], OVERLAP=cfg.get("OVERLAP", False),
-                num_warps=4)
+                D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, STAGES=cfg["num_stages"], num_warps=4)
             return out, lse
         descs = _descriptors(keys, KV_BLOCK) if linear and cfg.get("TMA") else (None, None)
         tiles = triton.cdiv(queries.max_count * group, cfg["BLOCK_Q"])
