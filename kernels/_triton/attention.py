@@ -472,7 +472,8 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
 # a producer warp brings every K/V block of the tile through TMA into a STAGES-deep ring, and two
 # consumer warpgroups, each with 64 of the tile's 128 rows, multiply and fold every block and merge
 # every chunk as _row_state does. They wait for nobody but the producer, so one folds while the other
-# multiplies. The same operations in the same order, per row:
+# multiplies, and inside each a block's q.k runs beside the previous block's P@V (FA3's pipelining
+# within a warpgroup). The same operations in the same order, per row:
 # - q.k, P@V and the ones-dot row sums are wgmma's m64nNk16 chains over the same k steps as tl.dot's
 #   (the instruction shapes of the tl kernel at 8 warps: tests/test_attention.py compares them);
 # - the softmax of a block is _block_softmax, the chunk merge _merge, the output _normalised and _lse: the
@@ -805,7 +806,7 @@ def _bwd_dq_kernel(q, k, v, do, lse, delta, dq, q_begin, q_count, q_pos, page_ta
 # every query tile's q and dO rows through TMA, once for both. A tile's rows are (query, head) pairs,
 # 64 / GROUP queries of GROUP heads: a [queries, GROUP, D] box of the [tokens, heads, D] tensors, in
 # the tl kernel's row order. Rows past the sequence hold the next tokens (or zeros) instead of the
-# last query repeated: their probabilities are exact zeros either way (_dkdv_probs masks them).
+# last query repeated: _dkdv_probs masks them, so either way they add products of an exact zero.
 @gluon.jit
 def _dkdv_ws_producer(q_desc, do_desc, q_smem, do_smem, ready, empty, q_first, kv_head, first, n_rows,
                       GROUP: gl.constexpr, STAGES: gl.constexpr):
