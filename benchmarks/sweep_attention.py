@@ -7,8 +7,9 @@ Decode (one query per request, 16-token pages in random order) at the rollout wo
 (batch 128, 600 keys) and at the decode table's corners, a 4k-token prefill (paged), and training's
 forward and backward (varlen, N = 4 packed 4,096-token sequences by default, bench_attention.py's
 larger training row; N = 1 its smaller one). Every candidate of kernels/_triton/attention.py's
-TUNING entry (num_stages x PREFETCH x TMA, the K/V load schedule; for decode also the swapped or
-padded tile and the programs per SM; for the backward the tiles) is checked against the current
+TUNING entry (num_stages x PREFETCH x TMA, the K/V load schedule; GLUON, the warp-specialised forms
+of the training forward and dK/dV, and their rings; for decode also the swapped or padded tile and
+the programs per SM; for the backward the tiles) is checked against the current
 table first, then timed: CUDA-graph replay for paged calls, CUDA events for training's varlen
 ones (their launchers read the sequence lengths on the host). Forward tuning changes no bit (every
 candidate's dots are wgmma, whose elements do not depend on the tile's shape or operand order): a

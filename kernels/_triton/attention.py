@@ -25,9 +25,11 @@ swapped, the key block and head dim as the MMA's M side and the heads as its N s
 instead of padding the heads to the 64 rows a wgmma needs as M: on sm_90 both are wgmma, whose
 elements are the same sums either way (checked on the GPU), at half the registers.
 
-Loads change no value: over a linear K/V (training's packed or padded one; 16-bit, Hopper) the
+Loads change no value: over a linear K/V (training's packed or padded one; 16-bit, Hopper) the tl
 forward and dQ read every block before a tile's last through TMA descriptors, whose keys all lie
-inside the tile's range, and the last block by masked loads, as paged K/V read every block.
+inside the tile's range, and the last block by masked loads, as paged K/V read every block; the
+Gluon forward reads every block through descriptors made for the tile, which end at its last key
+(TMA reads the keys past it as zeros, the masked loads' values).
 
 Warp-specialised forms (Gluon, 16-bit on Hopper, over a linear K/V; TUNING's GLUON): the training
 forward and dK/dV run the same tiles, the same wgmma chains and the same tl functions for the
@@ -95,7 +97,8 @@ TUNING = {
     # 2.36 for the tl kernel's 3 stages; 2 / 4 stages 1.92 / 1.87 (first call). Without the overlap
     # inside a consumer 1.66 / 1.68, and bench_attention.py's training table, the two alternating on one
     # H200 (A/B/A/B): 4 x 4,096 fwd+bwd 6.73 / 6.69 ms with it, 7.04 / 7.09 without (1 x 4,096 2.93 /
-    # 2.73 and 2.82 / 3.03). The consumers taking turns to issue their MMAs (FA3's ping-pong): 1.65
+    # 2.73 and 2.82 / 3.03): the sweeps alone do not separate the two, the A/B does. The consumers
+    # taking turns to issue their MMAs (FA3's ping-pong): 1.65, not kept
     "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
     # group's query heads; the last of them to finish merges the chunk states, or with P = 1 the one
@@ -540,7 +543,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
     rows = row0 + gl.arange(0, ROWS, layout=ROW_S)
-    tok, head = _rows(rows, begin, n_queries, kv_head, GROUP)
+    tok, _ = _rows(rows, begin, n_queries, kv_head, GROUP)
     pos = _query_pos(q_pos, tok, rows, 0, n_queries, GROUP, False)
     m = gl.full([ROWS], float("-inf"), gl.float32, ROW_O)  # the running state (l: a vector)
     l = gl.zeros([ROWS], gl.float32, ROW_O)
@@ -612,7 +615,7 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
     QS_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_WS_HALF, D], dtype)
     KV_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KV_BLOCK, D], dtype)
     rows = tile * _WS_TILE + gl.arange(0, _WS_TILE, layout=gl.SliceLayout(1, LOAD_L))
-    tok, head = _rows(rows, begin, n_queries, kv_head, GROUP)
+    tok, _ = _rows(rows, begin, n_queries, kv_head, GROUP)
     hi = gl.max(gl.load(q_pos + tok), 0)
     q0_smem = gl.allocate_shared_memory(dtype, [_WS_HALF, D], QS_L)
     q1_smem = gl.allocate_shared_memory(dtype, [_WS_HALF, D], QS_L)
@@ -681,6 +684,19 @@ def _dkdv_ds(p_t, dp_t, delta, idx):
 
 
 @triton.jit
+def _dkdv_row_ranges(lo, pos0, n_queries, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+    """The query-row tiles of keys lo .. lo + BLOCK_KV - 1 (also the Gluon dK/dV's). Query positions
+    are consecutive from pos0 (checked by the launcher), so the first query that sees the block and
+    the first that sees all of it are known. Row tiles run in increasing order, which fixes the
+    order of the sums: [first, full) masked (the diagonal), [full, whole) unmasked (every row sees
+    every key), [whole, n_rows) masked (the tile with rows past the sequence)."""
+    first = tl.minimum(tl.maximum(lo - pos0, 0), n_queries) * GROUP // BLOCK_Q * BLOCK_Q
+    whole = n_queries * GROUP // BLOCK_Q * BLOCK_Q
+    sees_all = tl.minimum(tl.maximum(lo + BLOCK_KV - 1 - pos0, 0), n_queries) * GROUP
+    return first, tl.maximum(first, tl.minimum(tl.cdiv(sees_all, BLOCK_Q) * BLOCK_Q, whole)), whole
+
+
+@triton.jit
 def _bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos, page_table, stride_table,
                      page_size, stride_page, stride_head, stride_slot, kv_count, n_heads, qk_scale, scale,
                      GROUP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
@@ -699,15 +715,7 @@ def _bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos, p
     n_queries = tl.load(q_count + seq)
     q_first = tl.load(q_begin + seq)
     n_rows = n_queries * GROUP
-    # Query positions are consecutive (checked by the launcher), so the first query that sees this
-    # block and the first that sees all of it are known. Row tiles run in increasing order, which
-    # fixes the order of the sums: [first, full) masked (the diagonal), [full, whole) unmasked (every
-    # row sees every key), [whole, n_rows) masked (the tile with rows past the sequence).
-    pos0 = tl.load(q_pos + q_first)
-    first = tl.minimum(tl.maximum(lo - pos0, 0), n_queries) * GROUP // BLOCK_Q * BLOCK_Q
-    whole = n_rows // BLOCK_Q * BLOCK_Q
-    sees_all = tl.minimum(tl.maximum(lo + BLOCK_KV - 1 - pos0, 0), n_queries) * GROUP
-    full = tl.maximum(first, tl.minimum(tl.cdiv(sees_all, BLOCK_Q) * BLOCK_Q, whole))
+    first, full, whole = _dkdv_row_ranges(lo, tl.load(q_pos + q_first), n_queries, GROUP, BLOCK_Q, BLOCK_KV)
     for row0 in range(first, full, BLOCK_Q):
         dk_acc, dv_acc = _dkdv_tile(q, do, lse, delta, q_pos, kb, vb, key_pos, row0, q_first, n_queries, kv_head,
                                     n_heads, qk_scale, dk_acc, dv_acc, GROUP, D, BLOCK_Q, True)
@@ -805,8 +813,8 @@ def _bwd_dq_kernel(q, k, v, do, lse, delta, dq, q_begin, q_count, q_pos, page_ta
 # the same sums: a key's row of a wgmma does not depend on the others), and a producer warp brings
 # every query tile's q and dO rows through TMA, once for both. A tile's rows are (query, head) pairs,
 # 64 / GROUP queries of GROUP heads: a [queries, GROUP, D] box of the [tokens, heads, D] tensors, in
-# the tl kernel's row order. Rows past the sequence hold the next tokens (or zeros) instead of the
-# last query repeated: _dkdv_probs masks them, so either way they add products of an exact zero.
+# the tl kernel's row order. Rows past the sequence read as zeros (the descriptors end with the
+# sequence) instead of its last query repeated; _dkdv_probs masks them either way.
 @gluon.jit
 def _dkdv_ws_producer(q_desc, do_desc, q_smem, do_smem, ready, empty, q_first, kv_head, first, n_rows,
                       GROUP: gl.constexpr, STAGES: gl.constexpr):
@@ -870,7 +878,7 @@ def _dkdv_ws_consumer(k_smem, v_smem, q_smem, do_smem, ready, empty, dk, dv, lse
 
 @gluon.jit
 def _bwd_dkdv_ws_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos, page_table, stride_table,
-                        stride_page, stride_head, stride_slot, kv_count, n_tokens, n_heads, qk_scale, scale,
+                        stride_page, stride_head, stride_slot, kv_count, n_heads, qk_scale, scale,
                         GROUP: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     """_bwd_dkdv_kernel over a linear K/V at 128 keys and 64-row query tiles, warp-specialised."""
     block = gl.program_id(0)
@@ -905,14 +913,12 @@ def _bwd_dkdv_ws_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos
     n_queries = gl.load(q_count + seq)
     q_first = gl.load(q_begin + seq)
     n_rows = n_queries * GROUP
-    # the row ranges of _bwd_dkdv_kernel (query positions are consecutive)
-    pos0 = gl.load(q_pos + q_first)
-    first = gl.minimum(gl.maximum(lo - pos0, 0), n_queries) * GROUP // _WS_HALF * _WS_HALF
-    whole = n_rows // _WS_HALF * _WS_HALF
-    sees_all = gl.minimum(gl.maximum(lo + _WS_TILE - 1 - pos0, 0), n_queries) * GROUP
-    full = gl.maximum(first, gl.minimum(gl.cdiv(sees_all, _WS_HALF) * _WS_HALF, whole))
-    q_desc = tma.make_tensor_descriptor(q, [n_tokens, n_heads, D], [n_heads * D, D, 1], [TILE_Q, GROUP, D], QS_L)
-    do_desc = tma.make_tensor_descriptor(do, [n_tokens, n_heads, D], [n_heads * D, D, 1], [TILE_Q, GROUP, D], QS_L)
+    first, full, whole = _dkdv_row_ranges(lo, gl.load(q_pos + q_first), n_queries, GROUP, _WS_HALF, _WS_TILE)
+    # the sequence's q and dO rows only: a tile's rows past it read as zeros (never another's values)
+    q_desc = tma.make_tensor_descriptor(q, [q_first + n_queries, n_heads, D], [n_heads * D, D, 1], [TILE_Q, GROUP, D],
+                                        QS_L)
+    do_desc = tma.make_tensor_descriptor(do, [q_first + n_queries, n_heads, D], [n_heads * D, D, 1],
+                                         [TILE_Q, GROUP, D], QS_L)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE_Q, GROUP, D], QS_L)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE_Q, GROUP, D], QS_L)
     ready, empty = ring_barriers(STAGES)
@@ -1049,6 +1055,9 @@ def _forward(queries: _Queries, keys: _Keys, scale: float, decode: bool) -> tupl
         linear = keys.page_size == _LINEAR_PAGE
         cfg = TUNING["prefill_linear" if linear else "prefill"]
         if linear and not decode and cfg.get("GLUON") and _gluon_route(queries, keys):
+            if cfg["num_stages"] < 2:  # a consumer frees a block's slot after waiting for the next block
+                raise ValueError("attention (triton): TUNING['prefill_linear'] has GLUON with num_stages="
+                                 f"{cfg['num_stages']}; the Gluon forward's ring needs num_stages >= 2")
             install_descriptor_allocator(q.device)  # the tile's descriptors are made on the device
             _prefill_ws_kernel[(triton.cdiv(queries.max_count * group, _WS_TILE.value), keys.n_heads, n_seqs)](
                 q, keys.k, keys.v, out, lse, queries.begin, queries.count, queries.pos, keys.table,
@@ -1096,9 +1105,9 @@ def _descriptors(keys: _Keys, block: int) -> tuple[TensorDescriptor | None, Tens
 
 def _gluon_route(queries: _Queries, keys: _Keys) -> bool:
     """Whether the Gluon kernels (_prefill_ws_kernel, _bwd_dkdv_ws_kernel) can take a call where their
-    TUNING entry asks for them: a linear K/V that TMA reads, on Hopper itself (their MMAs are wgmma),
-    queries with their own positions (not from_lens), and a head dim whose tiles fit shared memory
-    (16-bit, D <= 128)."""
+    TUNING entry asks for them: a linear K/V that TMA reads (16-bit), on Hopper itself (their MMAs
+    are wgmma), queries with their own positions (not from_lens), and a head dim whose tiles fit
+    shared memory (D <= 128). The backward adds its own conditions (_backward)."""
     k = keys.k
     return (not INTERPRETING and not queries.from_lens and k.is_cuda and _tma_rows(keys)
             and torch.cuda.get_device_capability(k.device)[0] == 9 and k.shape[-1] <= 128)
@@ -1163,12 +1172,15 @@ def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):
     n_seqs, group, qk_scale = queries.n_seqs, h // keys.n_heads, scale * _LOG2E
     seq_args = (queries.begin, queries.count, queries.pos, *_page_args(keys))
     cfg = TUNING["bwd_dkdv"]
-    # the Gluon form runs 64-row query tiles (the table's, so the table's sums) of whole queries
-    if cfg.get("GLUON") and _gluon_route(queries, keys) and cfg["BLOCK_Q"] == _WS_HALF.value and _WS_HALF.value % group == 0:
+    # the Gluon form runs the table's tiles (so its sums) when they are 128 keys x 64 rows of whole
+    # queries, and reads q and dO through TMA (16-byte aligned, one dtype for its ring)
+    if (cfg.get("GLUON") and _gluon_route(queries, keys) and (cfg["BLOCK_KV"], cfg["BLOCK_Q"]) == (_WS_TILE.value,
+                                                                                                  _WS_HALF.value)
+            and _WS_HALF.value % group == 0 and grad.dtype == q.dtype and is_aligned(q) and is_aligned(grad)):
         install_descriptor_allocator(q.device)  # the q and dO descriptors are made on the device
         _bwd_dkdv_ws_kernel[(triton.cdiv(keys.max_count, _WS_TILE.value), keys.n_heads, n_seqs)](
             q, keys.k, keys.v, grad, lse, delta, dk, dv, *seq_args[:5], keys.stride_page, keys.stride_head,
-            keys.stride_slot, keys.count, n, h, qk_scale, scale, GROUP=group, D=d, STAGES=cfg["GLUON_STAGES"],
+            keys.stride_slot, keys.count, h, qk_scale, scale, GROUP=group, D=d, STAGES=cfg["GLUON_STAGES"],
             num_warps=4)
     else:
         _bwd_dkdv_kernel[(triton.cdiv(keys.max_count, cfg["BLOCK_KV"]), keys.n_heads, n_seqs)](
