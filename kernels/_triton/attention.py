@@ -1103,14 +1103,18 @@ def _descriptors(keys: _Keys, block: int) -> tuple[TensorDescriptor | None, Tens
     return tuple(TensorDescriptor(t, [rows, width], [width, 1], [block, d]) for t in (k, v))
 
 
+def _on_gluon(t: torch.Tensor) -> bool:
+    """Whether the Gluon kernels (_prefill_ws_kernel, _bwd_dkdv_ws_kernel) can run on t's device and
+    tiles: 16-bit on Hopper itself (their MMAs are wgmma), a head dim whose tiles fit shared memory
+    (D <= 128), outside the interpreter. Each launcher adds what its TMA loads need."""
+    return (not INTERPRETING and t.is_cuda and t.element_size() == 2
+            and torch.cuda.get_device_capability(t.device)[0] == 9 and t.shape[-1] <= 128)
+
+
 def _gluon_route(queries: _Queries, keys: _Keys) -> bool:
-    """Whether the Gluon kernels (_prefill_ws_kernel, _bwd_dkdv_ws_kernel) can take a call where their
-    TUNING entry asks for them: a linear K/V that TMA reads (16-bit), on Hopper itself (their MMAs
-    are wgmma), queries with their own positions (not from_lens), and a head dim whose tiles fit
-    shared memory (D <= 128). The backward adds its own conditions (_backward)."""
-    k = keys.k
-    return (not INTERPRETING and not queries.from_lens and k.is_cuda and _tma_rows(keys)
-            and torch.cuda.get_device_capability(k.device)[0] == 9 and k.shape[-1] <= 128)
+    """Whether _prefill_ws_kernel takes a forward whose TUNING entry asks for it: a linear K/V that
+    TMA reads, and queries with their own positions (not from_lens)."""
+    return _on_gluon(keys.k) and not queries.from_lens and _tma_rows(keys)
 
 
 def decode_swapped(head_dim: int) -> bool:
@@ -1173,9 +1177,8 @@ def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):
     seq_args = (queries.begin, queries.count, queries.pos, *_page_args(keys))
     cfg = TUNING["bwd_dkdv"]
     # the Gluon form runs the table's tiles (so its sums) when they are 128 keys x 64 rows of whole
-    # queries, and reads q and dO through TMA (16-byte aligned, one dtype for its ring)
-    if (cfg.get("GLUON") and _gluon_route(queries, keys) and (cfg["BLOCK_KV"], cfg["BLOCK_Q"]) == (_WS_TILE.value,
-                                                                                                  _WS_HALF.value)
+    # queries, and reads q and dO through TMA (16-byte aligned, one dtype for its ring); K/V by loads
+    if (cfg.get("GLUON") and _on_gluon(q) and (cfg["BLOCK_KV"], cfg["BLOCK_Q"]) == (_WS_TILE.value, _WS_HALF.value)
             and _WS_HALF.value % group == 0 and grad.dtype == q.dtype and is_aligned(q) and is_aligned(grad)):
         install_descriptor_allocator(q.device)  # the q and dO descriptors are made on the device
         _bwd_dkdv_ws_kernel[(triton.cdiv(keys.max_count, _WS_TILE.value), keys.n_heads, n_seqs)](
