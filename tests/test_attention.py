@@ -301,7 +301,8 @@ import json
 from sm90 import compile_sm90
 from lockstep.kernels._triton import attention as A
 
-INTS = {"stride_table", "page_size", "stride_page", "stride_head", "stride_slot", "n_heads", "min_queries", "n_chunks"}
+INTS = {"stride_table", "page_size", "stride_page", "stride_head", "stride_slot", "n_heads", "min_queries", "n_chunks",
+        "n_seqs"}
 POINTEE = {"lse": "fp32", "tickets": "i32", "part_m": "fp32", "part_l": "fp32", "part_acc": "fp32", "q_begin": "i32",
            "q_count": "i32", "q_pos": "i32", "page_table": "i32"}
 types = lambda n: "fp32" if n == "qk_scale" else "i32" if n in INTS else "*" + POINTEE.get(n, "bf16")
@@ -314,7 +315,7 @@ desc = f"tensordesc<bf16[{A.KV_BLOCK}, 128]>"
 linear = compile_sm90(A._prefill_kernel, lambda n: desc if n.endswith("_desc") else types(n),
                       dict(BLOCK_Q=cfg["BLOCK_Q"], PREFETCH=cfg["PREFETCH"], FROM_LENS=False, TMA=cfg["TMA"], **common),
                       cfg["num_warps"], cfg["num_stages"])
-WS_INTS = {"stride_table", "stride_page", "stride_slot", "n_heads", "kv_width"}
+WS_INTS = {"stride_table", "stride_page", "stride_slot", "n_heads", "kv_width", "n_seqs"}
 gluon = compile_sm90(A._prefill_ws_kernel, lambda n: "i32" if n in WS_INTS else types(n),
                      dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, STAGES=cfg["num_stages"]), 4, 1)
 bwd_types = lambda n: "fp32" if n in ("qk_scale", "scale") else "*fp32" if n == "delta" else types(n)

@@ -157,6 +157,21 @@ def _sequence(q_begin, q_count, seq, FROM_LENS: tl.constexpr):
 
 
 @triton.jit
+def _ranked_program(pid, n_kv_heads, n_seqs):
+    """(rank, kv head, sequence) of program pid of a rank-major 1-D grid: every (kv head, sequence)'s
+    rank-0 program, then every rank-1 one, and so on. A kernel gives rank 0 its longest work (the
+    latest query tile, the first key block) and the scheduler starts programs in id order, so the
+    longest programs of every head and sequence start first and the last wave holds the shortest
+    (longest-processing-time first; with the rank as the fastest grid axis, a head's long programs
+    started only after every program of the heads before it). Which program computes a tile moves
+    no bit."""
+    per_rank = n_kv_heads * n_seqs
+    rank = pid // per_rank
+    rest = pid - rank * per_rank
+    return rank, rest % n_kv_heads, rest // n_kv_heads
+
+
+@triton.jit
 def _query_pos(q_pos, tok, rows, seq, n_queries, GROUP: tl.constexpr, FROM_LENS: tl.constexpr):
     """Absolute positions of the tile rows `rows` (query rows `tok`, as _rows gives them); FROM_LENS
     (q_pos: keys per sequence): a sequence's queries are its last n_queries positions."""
@@ -379,16 +394,16 @@ def _lse(m, l):
 
 @triton.jit
 def _prefill_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stride_table, page_size,
-                    stride_page, stride_head, stride_slot, n_heads, qk_scale, min_queries, k_desc, v_desc,
+                    stride_page, stride_head, stride_slot, n_heads, qk_scale, min_queries, n_seqs, k_desc, v_desc,
                     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
                     KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr, PREFETCH: tl.constexpr,
                     FROM_LENS: tl.constexpr, TMA: tl.constexpr):
     """Query tiles of BLOCK_Q rows of sequences with at least min_queries queries. TMA: K/V are
     linear (a page per sequence, page p at row p * stride_page // stride_slot of k_desc/v_desc)."""
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest tiles (latest queries) start first
-    kv_head, seq = tl.program_id(1), tl.program_id(2)
+    rank, kv_head, seq = _ranked_program(tl.program_id(0), n_heads // GROUP, n_seqs)
     begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
-    if (tile * BLOCK_Q >= n_queries * GROUP) | (n_queries < min_queries):
+    tile = tl.cdiv(n_queries * GROUP, BLOCK_Q) - 1 - rank  # rank 0: the sequence's latest queries
+    if (tile < 0) | (n_queries < min_queries):
         return
     rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     tok, head = _rows(rows, begin, n_queries, kv_head, GROUP)
@@ -599,15 +614,14 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
 
 @gluon.jit
 def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stride_table, stride_page, stride_slot,
-                       n_heads, kv_width, qk_scale, GROUP: gl.constexpr, D: gl.constexpr, KV_BLOCK: gl.constexpr,
+                       n_heads, kv_width, qk_scale, n_seqs, GROUP: gl.constexpr, D: gl.constexpr, KV_BLOCK: gl.constexpr,
                        KV_CHUNK: gl.constexpr, STAGES: gl.constexpr):
     """_prefill_kernel over a linear K/V (TMA=True, FROM_LENS=False), warp-specialised: a program
-    per (128-row tile, kv head, sequence), the tiles with the latest queries first."""
-    tile = gl.num_programs(0) - 1 - gl.program_id(0)
-    kv_head = gl.program_id(1)
-    seq = gl.program_id(2)
+    per (128-row tile, kv head, sequence), ranked as _prefill_kernel's."""
+    rank, kv_head, seq = _ranked_program(gl.program_id(0), n_heads // GROUP, n_seqs)
     begin, n_queries = _sequence(q_begin, q_count, seq, False)
-    if tile * _WS_TILE >= n_queries * GROUP:
+    tile = gl.cdiv(n_queries * GROUP, _WS_TILE) - 1 - rank  # rank 0: the sequence's latest queries
+    if tile < 0:
         return
     dtype: gl.constexpr = q.dtype.element_ty
     LOAD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -698,9 +712,10 @@ def _dkdv_row_ranges(lo, pos0, n_queries, GROUP: tl.constexpr, BLOCK_Q: tl.const
 
 @triton.jit
 def _bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos, page_table, stride_table,
-                     page_size, stride_page, stride_head, stride_slot, kv_count, n_heads, qk_scale, scale,
+                     page_size, stride_page, stride_head, stride_slot, kv_count, n_heads, qk_scale, scale, n_seqs,
                      GROUP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
-    block, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # rank 0: the first keys, which the most queries see
+    block, kv_head, seq = _ranked_program(tl.program_id(0), n_heads // GROUP, n_seqs)
     lo = block * BLOCK_KV
     n_keys = tl.load(kv_count + seq)
     if lo >= n_keys:
@@ -756,15 +771,15 @@ def _dq_block(q_tile, do_tile, kb, vb, key_pos, pos, row_lse, row_delta, dq_acc,
 
 @triton.jit
 def _bwd_dq_kernel(q, k, v, do, lse, delta, dq, q_begin, q_count, q_pos, page_table, stride_table,
-                   page_size, stride_page, stride_head, stride_slot, n_heads, qk_scale, scale, k_desc, v_desc,
+                   page_size, stride_page, stride_head, stride_slot, n_heads, qk_scale, scale, n_seqs, k_desc, v_desc,
                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
                    TMA: tl.constexpr):
     """TMA: K/V are linear, as for _prefill_kernel; the blocks before the tile's last come through
     k_desc/v_desc (blocks of BLOCK_KV keys), the last by masked loads (the same values)."""
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    kv_head, seq = tl.program_id(1), tl.program_id(2)
+    rank, kv_head, seq = _ranked_program(tl.program_id(0), n_heads // GROUP, n_seqs)
     n_queries = tl.load(q_count + seq)
-    if tile * BLOCK_Q >= n_queries * GROUP:
+    tile = tl.cdiv(n_queries * GROUP, BLOCK_Q) - 1 - rank  # rank 0: the sequence's latest queries
+    if tile < 0:
         return
     rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     tok, head = _rows(rows, tl.load(q_begin + seq), n_queries, kv_head, GROUP)
@@ -878,12 +893,10 @@ def _dkdv_ws_consumer(k_smem, v_smem, q_smem, do_smem, ready, empty, dk, dv, lse
 
 @gluon.jit
 def _bwd_dkdv_ws_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos, page_table, stride_table,
-                        stride_page, stride_head, stride_slot, kv_count, n_heads, qk_scale, scale,
+                        stride_page, stride_head, stride_slot, kv_count, n_heads, qk_scale, scale, n_seqs,
                         GROUP: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     """_bwd_dkdv_kernel over a linear K/V at 128 keys and 64-row query tiles, warp-specialised."""
-    block = gl.program_id(0)
-    kv_head = gl.program_id(1)
-    seq = gl.program_id(2)
+    block, kv_head, seq = _ranked_program(gl.program_id(0), n_heads // GROUP, n_seqs)  # as _bwd_dkdv_kernel's
     lo = block * _WS_TILE
     n_keys = gl.load(kv_count + seq)
     if lo >= n_keys:
@@ -1059,19 +1072,25 @@ def _forward(queries: _Queries, keys: _Keys, scale: float, decode: bool) -> tupl
                 raise ValueError("attention (triton): TUNING['prefill_linear'] has GLUON with num_stages="
                                  f"{cfg['num_stages']}; the Gluon forward's ring needs num_stages >= 2")
             install_descriptor_allocator(q.device)  # the tile's descriptors are made on the device
-            _prefill_ws_kernel[(triton.cdiv(queries.max_count * group, _WS_TILE.value), keys.n_heads, n_seqs)](
+            _prefill_ws_kernel[_ranked_grid(triton.cdiv(queries.max_count * group, _WS_TILE.value), keys, n_seqs)](
                 q, keys.k, keys.v, out, lse, queries.begin, queries.count, queries.pos, keys.table,
-                keys.table.stride(0), keys.stride_page, keys.stride_slot, h, keys.n_heads * d, qk_scale, GROUP=group,
+                keys.table.stride(0), keys.stride_page, keys.stride_slot, h, keys.n_heads * d, qk_scale, n_seqs,
+                GROUP=group,
                 D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, STAGES=cfg["num_stages"], num_warps=4)
             return out, lse
         descs = _descriptors(keys, KV_BLOCK) if linear and cfg.get("TMA") else (None, None)
         tiles = triton.cdiv(queries.max_count * group, cfg["BLOCK_Q"])
-        _prefill_kernel[(tiles, keys.n_heads, n_seqs)](
-            q, keys.k, keys.v, out, lse, *seq_args, 2 if decode else 1, *descs, GROUP=group, D=d,
+        _prefill_kernel[_ranked_grid(tiles, keys, n_seqs)](
+            q, keys.k, keys.v, out, lse, *seq_args, 2 if decode else 1, n_seqs, *descs, GROUP=group, D=d,
             BLOCK_Q=cfg["BLOCK_Q"], KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, PREFETCH=cfg["PREFETCH"],
             FROM_LENS=queries.from_lens, TMA=descs[0] is not None, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
     return out, lse
+
+
+def _ranked_grid(ranks: int, keys: _Keys, n_seqs: int) -> tuple[int]:
+    """The 1-D grid of _ranked_program: `ranks` programs per (kv head, sequence), rank-major."""
+    return (ranks * keys.n_heads * n_seqs,)
 
 
 def _tma_capable(t: torch.Tensor) -> bool:
@@ -1181,18 +1200,19 @@ def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):
     if (cfg.get("GLUON") and _on_gluon(q) and (cfg["BLOCK_KV"], cfg["BLOCK_Q"]) == (_WS_TILE.value, _WS_HALF.value)
             and _WS_HALF.value % group == 0 and grad.dtype == q.dtype and is_aligned(q) and is_aligned(grad)):
         install_descriptor_allocator(q.device)  # the q and dO descriptors are made on the device
-        _bwd_dkdv_ws_kernel[(triton.cdiv(keys.max_count, _WS_TILE.value), keys.n_heads, n_seqs)](
+        _bwd_dkdv_ws_kernel[_ranked_grid(triton.cdiv(keys.max_count, _WS_TILE.value), keys, n_seqs)](
             q, keys.k, keys.v, grad, lse, delta, dk, dv, *seq_args[:5], keys.stride_page, keys.stride_head,
-            keys.stride_slot, keys.count, h, qk_scale, scale, GROUP=group, D=d, STAGES=cfg["GLUON_STAGES"],
+            keys.stride_slot, keys.count, h, qk_scale, scale, n_seqs, GROUP=group, D=d, STAGES=cfg["GLUON_STAGES"],
             num_warps=4)
     else:
-        _bwd_dkdv_kernel[(triton.cdiv(keys.max_count, cfg["BLOCK_KV"]), keys.n_heads, n_seqs)](
-            q, keys.k, keys.v, grad, lse, delta, dk, dv, *seq_args, keys.count, h, qk_scale, scale, GROUP=group, D=d,
+        _bwd_dkdv_kernel[_ranked_grid(triton.cdiv(keys.max_count, cfg["BLOCK_KV"]), keys, n_seqs)](
+            q, keys.k, keys.v, grad, lse, delta, dk, dv, *seq_args, keys.count, h, qk_scale, scale, n_seqs, GROUP=group,
+            D=d,
             BLOCK_Q=cfg["BLOCK_Q"], BLOCK_KV=cfg["BLOCK_KV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = TUNING["bwd_dq"]
     descs = _descriptors(keys, cfg["BLOCK_KV"]) if cfg.get("TMA") else (None, None)
-    _bwd_dq_kernel[(triton.cdiv(queries.max_count * group, cfg["BLOCK_Q"]), keys.n_heads, n_seqs)](
-        q, keys.k, keys.v, grad, lse, delta, dq, *seq_args, h, qk_scale, scale, *descs, GROUP=group, D=d,
+    _bwd_dq_kernel[_ranked_grid(triton.cdiv(queries.max_count * group, cfg["BLOCK_Q"]), keys, n_seqs)](
+        q, keys.k, keys.v, grad, lse, delta, dq, *seq_args, h, qk_scale, scale, n_seqs, *descs, GROUP=group, D=d,
         BLOCK_Q=cfg["BLOCK_Q"], BLOCK_KV=cfg["BLOCK_KV"], TMA=descs[0] is not None, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return dq, dk, dv
