@@ -35,7 +35,10 @@ PREFILL = [4096]
 # are loaded into registers during the block before. Decode also: SWAP (the dots' operands swapped,
 # the heads as the MMA's N side, or the heads padded to 64 rows) and the programs per SM its grid aims for.
 CANDIDATES = {
-    "prefill": [dict(num_stages=s, PREFETCH=p) for p, stages in ((False, (2, 3, 4)), (True, (1, 3))) for s in stages],
+    "prefill": [dict(GLUON=False, num_stages=s, PREFETCH=p) for p, stages in ((False, (2, 3, 4)), (True, (1, 3)))
+                for s in stages]
+    # the warp-specialised Gluon kernel over the pages (boxes of a page), a ring of GLUON_STAGES blocks
+    + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)],
     # (swapped tiles with num_stages=1 faulted on the H200, Triton 3.6: the launcher refuses them)
     # TMA: the blocks before a tile's last through descriptors, pipelined over num_stages
     # (GLUON=False: the tl kernel, whose schedules these are)
@@ -44,8 +47,8 @@ CANDIDATES = {
                                                                        num_stages=3)]
     # 64-row tiles on one warpgroup: two programs an SM, each one's softmax beside the other's MMAs
     + [dict(GLUON=False, TMA=True, PREFETCH=False, BLOCK_Q=64, num_warps=4, num_stages=s) for s in (2, 3, 4)]
-    # the warp-specialised Gluon kernel: a producer warp, two consumer warpgroups, a ring of num_stages
-    + [dict(GLUON=True, num_stages=s) for s in (2, 3, 4)],
+    # the warp-specialised Gluon kernel: a producer warp, two consumer warpgroups, a ring of GLUON_STAGES
+    + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)],
     # one program per BLOCK_KV keys looping over BLOCK_Q-row query tiles / one per BLOCK_Q rows over
     # BLOCK_KV-key blocks
     "bwd_dkdv": [dict(BLOCK_KV=kv, BLOCK_Q=bq, num_warps=w, num_stages=st, GLUON=False)

@@ -141,16 +141,22 @@ def _schedule(lens, n_decode, max_chunk, gen):
     return steps
 
 
-def _serve_paged(q, k, v, cu, steps, page_size, gen):
-    """Run the steps against a paged cache; return every token's output, packed like q."""
+def _serve_paged(q, k, v, cu, steps, page_size, gen, vllm_layout=False):
+    """Run the steps against a paged cache ([pages, kv heads, page_size, D]; vllm_layout: K and V as
+    the two halves of vLLM's [pages, kv heads, page_size, 2 * D]); return every token's output,
+    packed like q."""
     lens = (cu[1:] - cu[:-1]).tolist()
     starts = cu[:-1].tolist()
     pages_of = [-(-n // page_size) for n in lens]
     n_pages = sum(pages_of) + 3
     shape = (n_pages, k.shape[1], page_size, k.shape[2])
     # never-written slots hold NaN: a kernel that lets them into a sum fails loudly
-    k_cache = torch.full(shape, float("nan"), dtype=k.dtype, device=k.device)
-    v_cache = torch.full(shape, float("nan"), dtype=v.dtype, device=v.device)
+    if vllm_layout:
+        kv = torch.full((*shape[:3], 2 * shape[3]), float("nan"), dtype=k.dtype, device=k.device)
+        k_cache, v_cache = kv[..., :shape[3]], kv[..., shape[3]:]
+    else:
+        k_cache = torch.full(shape, float("nan"), dtype=k.dtype, device=k.device)
+        v_cache = torch.full(shape, float("nan"), dtype=v.dtype, device=v.device)
     order = torch.randperm(n_pages, generator=gen).tolist()
     table = torch.zeros((len(lens), max(pages_of) + 2), dtype=torch.int32, device=q.device)
     for r, n in enumerate(pages_of):
@@ -300,6 +306,7 @@ _MMA_PROBE = r"""
 import json
 from sm90 import compile_sm90
 from lockstep.kernels._triton import attention as A
+from lockstep.kernels._triton.splitk_ws import gluon_layout
 
 INTS = {"stride_table", "page_size", "stride_page", "stride_head", "stride_slot", "n_heads", "min_queries", "n_chunks",
         "n_seqs"}
@@ -315,9 +322,16 @@ desc = f"tensordesc<bf16[{A.KV_BLOCK}, 128]>"
 linear = compile_sm90(A._prefill_kernel, lambda n: desc if n.endswith("_desc") else types(n),
                       dict(BLOCK_Q=cfg["BLOCK_Q"], PREFETCH=cfg["PREFETCH"], FROM_LENS=False, TMA=cfg["TMA"], **common),
                       cfg["num_warps"], cfg["num_stages"])
-WS_INTS = {"stride_table", "stride_page", "stride_slot", "n_heads", "kv_width", "n_seqs"}
-gluon = compile_sm90(A._prefill_ws_kernel, lambda n: "i32" if n in WS_INTS else types(n),
-                     dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, STAGES=cfg["num_stages"]), 4, 1)
+WS_INTS = {"stride_table", "stride_page", "stride_slot", "n_heads", "kv_width", "n_seqs", "page_rows", "head_rows",
+           "head_cols"}
+ws_desc = lambda box: f"tensordesc<bf16[{box}, 128],{gluon_layout([box, 128])!r}>"
+gluon = compile_sm90(A._prefill_ws_kernel, lambda n: ws_desc(A.KV_BLOCK) if n.endswith("_all") else "i32"
+                     if n in WS_INTS else types(n), dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK,
+                     STAGES=cfg["GLUON_STAGES"], FROM_LENS=False), 4, 1)
+# vLLM's prefill: 16-key pages, positions from the sequence lengths
+gluon_paged = compile_sm90(A._prefill_ws_kernel, lambda n: ws_desc(16) if n.endswith("_all") else "i32"
+                           if n in WS_INTS else types(n), dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK,
+                           KV_CHUNK=A.KV_CHUNK, STAGES=A.TUNING["prefill"]["GLUON_STAGES"], FROM_LENS=True), 4, 1)
 bwd_types = lambda n: "fp32" if n in ("qk_scale", "scale") else "*fp32" if n == "delta" else types(n)
 cfg = A.TUNING["bwd_dkdv"]
 dkdv = compile_sm90(A._bwd_dkdv_kernel, lambda n: "*i32" if n == "kv_count" else bwd_types(n),
@@ -331,7 +345,7 @@ decode = {f"{'swapped' if swap else 'padded'}{' in registers' if r else ''}":
           compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=16 if swap else cfg["MIN_ROWS"], MERGE_ROWS=4,
                        IN_REGISTERS=r, FROM_LENS=True, PREFETCH=cfg["PREFETCH"], SWAP=swap, **common),
                        cfg["num_warps"], cfg["num_stages"]) for swap in (True, False) for r in (False, True)}
-print(json.dumps([prefill, linear, gluon, dkdv, dkdv_gluon, decode]))
+print(json.dumps([prefill, linear, gluon, gluon_paged, dkdv, dkdv_gluon, decode]))
 """
 
 
@@ -344,12 +358,14 @@ def test_decode_and_prefill_multiply_with_wgmma():
     kernel spills, and the swapped ones hold far fewer registers (more programs per SM)."""
     from sm90 import probe
 
-    prefill, linear, gluon, dkdv, dkdv_gluon, decode = probe(_MMA_PROBE)
+    prefill, linear, gluon, gluon_paged, dkdv, dkdv_gluon, decode = probe(_MMA_PROBE)
     assert {version for version, _ in prefill["mma"]} == {"3"}, f"expected wgmma (MMA v3) only, got {prefill['mma']}"
     # over a linear K/V (TMA loads) the prefill tile runs the same instructions, without spilling, and
     # so does its warp-specialised Gluon form (the consumers' 64-row wgmmas)
     assert linear["mma"] == prefill["mma"] and linear["spill_bytes"] == 0, (linear, prefill)
     assert gluon["mma"] == prefill["mma"] and gluon["spill_bytes"] == 0 and gluon["warp_specialized"], gluon
+    # ... also over vLLM's paged cache (16-key pages: four boxes a block; positions from the lengths)
+    assert gluon_paged["mma"] == prefill["mma"] and gluon_paged["spill_bytes"] == 0, gluon_paged
     # dK/dV's Gluon form runs the tl kernel's instructions on 64 of its keys a consumer
     # (its consumers hold two [64, D] fp32 accumulators and a tile's products: 152 bytes spilled, probed)
     assert dkdv_gluon["mma"] == dkdv["mma"] and dkdv_gluon["warp_specialized"], (dkdv_gluon, dkdv)
@@ -464,7 +480,7 @@ def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monke
 
     lens = [3001, 1024, 1777, 77, 5]
     q, k, v, cu = _packed(lens, heads, 8, 128, torch.bfloat16, "cuda")
-    assert A._gluon_route(*A._varlen_layout(q, k, v, cu))
+    assert A._gluon_view(A._varlen_layout(q, k, v, cu)[1]) is not None
     # dK/dV's Gluon form takes the table's tiles only: the comparison below runs it against the tl kernel
     assert (A.TUNING["bwd_dkdv"]["BLOCK_KV"], A.TUNING["bwd_dkdv"]["BLOCK_Q"]) == (A._WS_TILE.value, A._WS_HALF.value)
     width = max(lens) + 3
@@ -483,6 +499,37 @@ def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monke
     for name, a, b in zip(["out", "lse", "padded out", "padded lse", "dq", "dk", "dv"], run(True), run(False)):
         differ = (a != b).flatten(1).any(1)
         assert not differ.any(), f"{name}: {int(differ.sum())} of {differ.numel()} rows differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size,vllm_layout", [(16, True), (16, False), (32, True), (64, True), (128, False),
+                                                   (48, True)])
+def test_gpu_paged_prefill_takes_the_gluon_forward_with_the_training_bits(gpu_triton, monkeypatch, page_size,
+                                                                          vllm_layout):
+    """vLLM's prefill (TUNING["prefill"]["GLUON"]): pages of 16 or 32 keys (boxes of a page), 64 or
+    128 (a block's box in one page), vLLM's interleaved K/V or the benchmarks' layout, one prefill of
+    every prompt and a schedule of chunked prefills beside decode steps (a cache of NaN where nothing
+    was written): every token's output equals training's, bit for bit. 48-key pages are not a
+    divisor or multiple of the 64-key block: the tl kernel takes them (the same bits)."""
+    from lockstep.kernels._triton import attention as A
+
+    calls = []
+    real = A._prefill_ws
+    monkeypatch.setattr(A, "_prefill_ws", lambda *a, **kw: calls.append(a[1].page_size) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(page_size)
+    lens = [3001, 1024, 1777, 77, 5]
+    q, k, v, cu = _packed(lens, 32, 8, 128, torch.bfloat16, "cuda")
+    train = K.varlen_attention(q, k, v, cu)
+    calls.clear()
+    one_prefill = [[(r, n) for r, n in enumerate(lens)]]
+    got = _serve_paged(q, k, v, cu, one_prefill, page_size, gen, vllm_layout)
+    assert calls == ([] if page_size == 48 else [page_size]), calls
+    differ = (got != train).flatten(1).any(1)
+    assert not differ.any(), f"prefill: {int(differ.sum())} tokens differ from training"
+    steps = _schedule(lens, [70, 130, 3, 9, 0], 700, gen)
+    got = _serve_paged(q, k, v, cu, steps, page_size, gen, vllm_layout)
+    differ = (got != train).flatten(1).any(1)
+    assert not differ.any(), f"chunked prefill / decode: {int(differ.sum())} tokens differ from training"
 
 
 @pytest.mark.gpu

@@ -64,7 +64,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
 from lockstep.kernels._triton._tma import install_descriptor_allocator
-from lockstep.kernels._triton.splitk_ws import invalidate_ring, ring_barriers
+from lockstep.kernels._triton.splitk_ws import gluon_descriptor, invalidate_ring, ring_barriers
 
 # ==== configuration ================================================================================
 # Numerics: part of the contract between trainer and rollout. Launchers read these at call time, so
@@ -85,21 +85,24 @@ TUNING = {
     # forward over sequences with more than one query: FA2-style 128-row tiles; K/V loaded one block
     # ahead into registers (PREFETCH; 255 registers, 8 B spilled): 1.16x the pipeliner's 3 stages on a
     # 4k prompt (H200, benchmarks/sweep_attention.py, RESULTS.md)
-    "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True),
+    # GLUON (16-bit, Hopper): _prefill_ws_kernel as for "prefill_linear" below, each 64-key block as
+    # TMA boxes of one page (four at vLLM's 16-key pages), a ring of GLUON_STAGES blocks
+    "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True, GLUON=True, GLUON_STAGES=3),
     # the same over a linear K/V (training's packed or padded one): TMA (on GPUs that have it) brings
     # every block but a tile's last through a descriptor, pipelined by Triton over num_stages (242
     # registers, no spill). sweep_attention.py, H200, 4 x 4,096 packed tokens, two calls: 2.09-2.18 ms
     # against 2.39-2.43 ms for the registers-ahead schedule (1.14x); 2 / 4 stages 2.52-2.59 / 2.26-2.44;
     # 64-row tiles at 4 warps (two programs an SM) 2.59-3.11
     # GLUON (16-bit, Hopper): the same tiles and folds as the warp-specialised _prefill_ws_kernel (a
-    # producer warp, two consumer warpgroups of 64 rows, a ring of num_stages blocks, each consumer's
+    # producer warp, two consumer warpgroups of 64 rows, a ring of GLUON_STAGES blocks, each consumer's
     # next q.k beside its P@V). The same sweep, two calls: 1.60 / 1.85 ms at 3 stages, against 2.07 /
     # 2.36 for the tl kernel's 3 stages; 2 / 4 stages 1.92 / 1.87 (first call). Without the overlap
     # inside a consumer 1.66 / 1.68, and bench_attention.py's training table, the two alternating on one
     # H200 (A/B/A/B): 4 x 4,096 fwd+bwd 6.73 / 6.69 ms with it, 7.04 / 7.09 without (1 x 4,096 2.93 /
     # 2.73 and 2.82 / 3.03): the sweeps alone do not separate the two, the A/B does. The consumers
     # taking turns to issue their MMAs (FA3's ping-pong): 1.65, not kept
-    "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True),
+    "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True,
+                           GLUON_STAGES=3),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
     # group's query heads; the last of them to finish merges the chunk states, or with P = 1 the one
     # program merges in registers. SWAP: the dots run with their operands swapped, the heads as the
@@ -485,8 +488,9 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
         _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False)
 
 
-# ---- the forward over a linear K/V, warp-specialised (Gluon) ---------------------------------------
-# _prefill_kernel's tiles and folds (TUNING["prefill_linear"]["GLUON"]) with the schedule written out:
+# ---- the forward, warp-specialised (Gluon) ---------------------------------------------------------
+# _prefill_kernel's tiles and folds (TUNING["prefill_linear"] and ["prefill"], GLUON) with the schedule
+# written out, over a linear K/V (training's) or a paged one (vLLM's):
 # a producer warp brings every K/V block of the tile through TMA into a STAGES-deep ring, and two
 # consumer warpgroups, each with 64 of the tile's 128 rows, multiply and fold every block and merge
 # every chunk as _row_state does. They wait for nobody but the producer, so one folds while the other
@@ -496,8 +500,10 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
 #   (the instruction shapes of the tl kernel at 8 warps: tests/test_attention.py compares them);
 # - the softmax of a block is _block_softmax, the chunk merge _merge, the output _normalised and _lse: the
 #   tl functions, called from here;
-# - every block's K/V hold the tl kernel's values: the tile's descriptors end at its last key `hi`,
-#   so TMA fills the keys past it with zeros, as the masked loads of its last block do.
+# - every block's K/V hold the tl kernel's values: a block comes as TMA boxes of one page each (the
+#   whole block where pages hold whole blocks: a linear K/V is one page); the box of the tile's last
+#   key `hi` and those after it come through descriptors made on the device that end at hi's row, so
+#   TMA fills the keys past hi with zeros, as the masked loads of the tl kernel's last block do.
 _WS_TILE = gl.constexpr(128)  # rows of a program's tile (BLOCK_Q): two consumer warpgroups of _WS_HALF rows
 _WS_HALF = gl.constexpr(64)
 # registers a thread: the default partition (consumer 0) gets what the others leave (256); consumer 1
@@ -521,17 +527,31 @@ def _load_rows_to_shared(src, tile_row0, begin, n_queries, kv_head, n_heads, dst
 
 
 @gluon.jit
-def _ws_producer(k_desc, v_desc, k_smem, v_smem, ready, empty, desc_row, col, last, STAGES: gl.constexpr):
-    """Blocks 0 .. last of the tile's keys, in order, into the ring: a slot is refilled once both
-    consumers freed it."""
-    KV_BLOCK: gl.constexpr = k_desc.block_type.shape[0]
+def _ws_producer(k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows, head_row,
+                 col, hi, row_hi, last, STAGES: gl.constexpr):
+    """Blocks 0 .. last of the tile's keys, in order, into the ring (a slot refilled once both
+    consumers freed it), each as BOX-key boxes of one page: a box whose keys are all at or before hi
+    through k_all/v_all (the whole K/V), hi's box and those after it through k_end/v_end (ending at
+    hi's row, row_hi: the keys past hi read as zeros; a box past hi lies wholly past it)."""
+    BOX: gl.constexpr = k_all.block_type.shape[0]
+    KV_BLOCK: gl.constexpr = k_smem.shape[1]
     for blk in range(0, last + 1):
         st = blk % STAGES
         mbarrier.wait(empty.index(st), ((blk // STAGES) & 1) ^ 1)  # (a slot's first use passes at once)
         bar = ready.index(st)
-        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [desc_row + blk * KV_BLOCK, col], bar, k_smem.index(st))
-        tma.async_copy_global_to_shared(v_desc, [desc_row + blk * KV_BLOCK, col], bar, v_smem.index(st))
+        mbarrier.expect(bar, 2 * (KV_BLOCK // BOX) * k_all.block_type.nbytes)
+        for j in gl.static_range(KV_BLOCK // BOX):
+            key = blk * KV_BLOCK + j * BOX
+            k_box = k_smem.index(st).slice(j * BOX, BOX)
+            v_box = v_smem.index(st).slice(j * BOX, BOX)
+            if key + BOX - 1 <= hi:
+                row = gl.load(page_row + key // page_size) * page_rows + head_row + key % page_size
+                tma.async_copy_global_to_shared(k_all, [row, col], bar, k_box)
+                tma.async_copy_global_to_shared(v_all, [row, col], bar, v_box)
+            else:
+                row = row_hi + 1 + gl.minimum(key - hi - 1, 0)
+                tma.async_copy_global_to_shared(k_end, [row, col], bar, k_box)
+                tma.async_copy_global_to_shared(v_end, [row, col], bar, v_box)
 
 
 @gluon.jit
@@ -543,8 +563,9 @@ def _ws_merge(m, l, acc, m_c, l_c, acc_c):
 
 
 @gluon.jit
-def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, row0, kv_head,
-                 n_heads, qk_scale, last, GROUP: gl.constexpr, KV_CHUNK: gl.constexpr, STAGES: gl.constexpr):
+def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq, row0,
+                 kv_head, n_heads, qk_scale, last, GROUP: gl.constexpr, KV_CHUNK: gl.constexpr, STAGES: gl.constexpr,
+                 FROM_LENS: gl.constexpr):
     """Rows row0 .. row0 + 63 of the tile: every block folded into the chunk state, chunk states
     merged into the running state at each chunk's last block (or the tile's last), as _row_state."""
     ROWS: gl.constexpr = q_smem.shape[0]
@@ -559,7 +580,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
     rows = row0 + gl.arange(0, ROWS, layout=ROW_S)
     tok, _ = _rows(rows, begin, n_queries, kv_head, GROUP)
-    pos = _query_pos(q_pos, tok, rows, 0, n_queries, GROUP, False)
+    pos = _query_pos(q_pos, tok, rows, seq, n_queries, GROUP, FROM_LENS)
     m = gl.full([ROWS], float("-inf"), gl.float32, ROW_O)  # the running state (l: a vector)
     l = gl.zeros([ROWS], gl.float32, ROW_O)
     acc = gl.zeros([ROWS, D], gl.float32, O_L)
@@ -613,24 +634,28 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
 
 
 @gluon.jit
-def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stride_table, stride_page, stride_slot,
-                       n_heads, kv_width, qk_scale, n_seqs, GROUP: gl.constexpr, D: gl.constexpr, KV_BLOCK: gl.constexpr,
-                       KV_CHUNK: gl.constexpr, STAGES: gl.constexpr):
-    """_prefill_kernel over a linear K/V (TMA=True, FROM_LENS=False), warp-specialised: a program
-    per (128-row tile, kv head, sequence), ranked as _prefill_kernel's."""
+def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stride_table, page_size, page_rows,
+                       head_rows, head_cols, stride_slot, kv_width, n_heads, qk_scale, min_queries, n_seqs, k_all, v_all,
+                       GROUP: gl.constexpr, D: gl.constexpr, KV_BLOCK: gl.constexpr, KV_CHUNK: gl.constexpr,
+                       STAGES: gl.constexpr, FROM_LENS: gl.constexpr):
+    """_prefill_kernel, warp-specialised: a program per (128-row tile, kv head, sequence), ranked as
+    _prefill_kernel's. K/V are read as a [rows, kv_width] matrix of row pitch stride_slot (k_all,
+    v_all: its descriptors in BOX-key boxes): the key in slot s of page p of kv head h is row
+    p * page_rows + h * head_rows + s, at column h * head_cols."""
     rank, kv_head, seq = _ranked_program(gl.program_id(0), n_heads // GROUP, n_seqs)
-    begin, n_queries = _sequence(q_begin, q_count, seq, False)
+    begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
     tile = gl.cdiv(n_queries * GROUP, _WS_TILE) - 1 - rank  # rank 0: the sequence's latest queries
-    if tile < 0:
+    if (tile < 0) | (n_queries < min_queries):
         return
     dtype: gl.constexpr = q.dtype.element_ty
+    BOX: gl.constexpr = k_all.block_type.shape[0]
+    KV_L: gl.constexpr = k_all.layout
     LOAD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     ONES_L: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     QS_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_WS_HALF, D], dtype)
-    KV_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KV_BLOCK, D], dtype)
     rows = tile * _WS_TILE + gl.arange(0, _WS_TILE, layout=gl.SliceLayout(1, LOAD_L))
     tok, _ = _rows(rows, begin, n_queries, kv_head, GROUP)
-    hi = gl.max(gl.load(q_pos + tok), 0)
+    hi = gl.max(_query_pos(q_pos, tok, rows, seq, n_queries, GROUP, FROM_LENS), 0)
     q0_smem = gl.allocate_shared_memory(dtype, [_WS_HALF, D], QS_L)
     q1_smem = gl.allocate_shared_memory(dtype, [_WS_HALF, D], QS_L)
     _load_rows_to_shared(q, tile * _WS_TILE, begin, n_queries, kv_head, n_heads, q0_smem, GROUP, LOAD_L)
@@ -638,21 +663,25 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
     ones = gl.full([KV_BLOCK, _SUM_COLS], 1.0, gl.float32, ONES_L).to(dtype)
     ones_smem = gl.allocate_shared_memory(dtype, [KV_BLOCK, _SUM_COLS],
                                           gl.NVMMASharedLayout.get_default_for([KV_BLOCK, _SUM_COLS], dtype), ones)
-    # the tile's keys end at hi: TMA reads the rows past it as zeros
-    desc_row = gl.load(page_table + seq * stride_table) * (stride_page // stride_slot)
-    k_desc = tma.make_tensor_descriptor(k, [desc_row + hi + 1, kv_width], [stride_slot, 1], [KV_BLOCK, D], KV_L)
-    v_desc = tma.make_tensor_descriptor(v, [desc_row + hi + 1, kv_width], [stride_slot, 1], [KV_BLOCK, D], KV_L)
+    # the K/V up to hi's row: TMA reads the rows past it as zeros
+    page_row = page_table + seq * stride_table
+    head_row = kv_head * head_rows
+    row_hi = gl.load(page_row + hi // page_size) * page_rows + head_row + hi % page_size
+    k_end = tma.make_tensor_descriptor(k, [row_hi + 1, kv_width], [stride_slot, 1], [BOX, D], KV_L)
+    v_end = tma.make_tensor_descriptor(v, [row_hi + 1, kv_width], [stride_slot, 1], [BOX, D], KV_L)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, KV_BLOCK, D], KV_L)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, KV_BLOCK, D], KV_L)
     ready, empty = ring_barriers(STAGES)
     fence_async_shared()  # the q and ones stores, before the wgmmas read them
     last = hi // KV_BLOCK
     gl.warp_specialize([
-        (_ws_consumer, (q0_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries,
-                        tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES)),
-        (_ws_consumer, (q1_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries,
-                        tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES)),
-        (_ws_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, desc_row, kv_head * D, last, STAGES)),
+        (_ws_consumer, (q0_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
+                        tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, FROM_LENS)),
+        (_ws_consumer, (q1_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
+                        tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES,
+                        FROM_LENS)),
+        (_ws_producer, (k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
+                        head_row, kv_head * head_cols, hi, row_hi, last, STAGES)),
     ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
     invalidate_ring(ready, empty, STAGES)
 
@@ -1067,16 +1096,10 @@ def _forward(queries: _Queries, keys: _Keys, scale: float, decode: bool) -> tupl
     if queries.max_count > 1 or not decode:
         linear = keys.page_size == _LINEAR_PAGE
         cfg = TUNING["prefill_linear" if linear else "prefill"]
-        if linear and not decode and cfg.get("GLUON") and _gluon_route(queries, keys):
-            if cfg["num_stages"] < 2:  # a consumer frees a block's slot after waiting for the next block
-                raise ValueError("attention (triton): TUNING['prefill_linear'] has GLUON with num_stages="
-                                 f"{cfg['num_stages']}; the Gluon forward's ring needs num_stages >= 2")
-            install_descriptor_allocator(q.device)  # the tile's descriptors are made on the device
-            _prefill_ws_kernel[_ranked_grid(triton.cdiv(queries.max_count * group, _WS_TILE.value), keys, n_seqs)](
-                q, keys.k, keys.v, out, lse, queries.begin, queries.count, queries.pos, keys.table,
-                keys.table.stride(0), keys.stride_page, keys.stride_slot, h, keys.n_heads * d, qk_scale, n_seqs,
-                GROUP=group,
-                D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, STAGES=cfg["num_stages"], num_warps=4)
+        view = _gluon_view(keys) if cfg.get("GLUON") else None
+        if view is not None:
+            _prefill_ws(queries, keys, view, out, lse, group, qk_scale, 2 if decode else 1,
+                        cfg, "prefill_linear" if linear else "prefill")
             return out, lse
         descs = _descriptors(keys, KV_BLOCK) if linear and cfg.get("TMA") else (None, None)
         tiles = triton.cdiv(queries.max_count * group, cfg["BLOCK_Q"])
@@ -1091,6 +1114,64 @@ def _forward(queries: _Queries, keys: _Keys, scale: float, decode: bool) -> tupl
 def _ranked_grid(ranks: int, keys: _Keys, n_seqs: int) -> tuple[int]:
     """The 1-D grid of _ranked_program: `ranks` programs per (kv head, sequence), rank-major."""
     return (ranks * keys.n_heads * n_seqs,)
+
+
+class _GluonView(NamedTuple):
+    """How _prefill_ws_kernel reads a K/V through TMA: as a [rows, width] matrix of row pitch
+    keys.stride_slot, the key in slot s of page p of kv head h at row p * page_rows + h * head_rows
+    + s, column h * head_cols, in boxes of `box` keys (each inside one page)."""
+    box: int
+    page_rows: int
+    head_rows: int
+    head_cols: int
+    rows: int
+    width: int
+
+
+def _gluon_view(keys: _Keys) -> _GluonView | None:
+    """keys' _GluonView, or None where the Gluon forward cannot read them: it needs a device it runs
+    on (_on_gluon), K and V of one layout with contiguous head dims and 16-byte aligned slots, a kv
+    head a run of rows (a paged cache: vLLM's, the benchmarks') or of columns (a linear K/V: [tokens,
+    kv heads, D]), and pages whose TMA boxes stay in one page: a linear K/V, a multiple of the
+    64-key block, or a divisor of it that is a multiple of 8 slots (the 128-byte swizzle's period)."""
+    k, v = keys.k, keys.v
+    d, slot = k.shape[-1], keys.stride_slot
+    if not (_on_gluon(k) and k.stride() == v.stride() and k.stride(-1) == 1 and is_aligned(k) and is_aligned(v)
+            and (slot * k.element_size()) % ALIGN_BYTES == 0 and keys.stride_page % slot == 0):
+        return None
+    if keys.stride_head % slot == 0:
+        head_rows, head_cols, width = keys.stride_head // slot, 0, d
+    elif keys.stride_head == d and keys.n_heads * d <= slot:
+        head_rows, head_cols, width = 0, d, keys.n_heads * d
+    else:
+        return None
+    page = keys.page_size
+    if page == _LINEAR_PAGE or page % KV_BLOCK == 0:
+        box = KV_BLOCK
+    elif KV_BLOCK % page == 0 and page % 8 == 0:
+        box = page
+    else:
+        return None
+    page_rows = keys.stride_page // slot
+    return _GluonView(box, page_rows, head_rows, head_cols, k.shape[0] * page_rows, width)
+
+
+def _prefill_ws(queries: _Queries, keys: _Keys, view: _GluonView, out, lse, group: int, qk_scale: float,
+                min_queries: int, cfg: dict, entry: str) -> None:
+    """_prefill_ws_kernel over sequences with at least min_queries queries (TUNING[entry]: cfg)."""
+    if cfg["GLUON_STAGES"] < 2:  # a consumer frees a block's slot after waiting for the next block
+        raise ValueError(f"attention (triton): TUNING['{entry}'] has GLUON with GLUON_STAGES="
+                         f"{cfg['GLUON_STAGES']}; the Gluon forward's ring needs at least 2")
+    q, d = queries.q, queries.q.shape[2]
+    k_all, v_all = (gluon_descriptor(t.as_strided((view.rows, view.width), (keys.stride_slot, 1)), [view.box, d])
+                    for t in (keys.k, keys.v))
+    install_descriptor_allocator(q.device)  # the tile's end descriptors are made on the device
+    n_seqs = queries.n_seqs
+    _prefill_ws_kernel[_ranked_grid(triton.cdiv(queries.max_count * group, _WS_TILE.value), keys, n_seqs)](
+        q, keys.k, keys.v, out, lse, *_query_args(queries), keys.table, keys.table.stride(0), keys.page_size,
+        view.page_rows, view.head_rows, view.head_cols, keys.stride_slot, view.width, q.shape[1], qk_scale,
+        min_queries, n_seqs, k_all, v_all, GROUP=group, D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK,
+        STAGES=cfg["GLUON_STAGES"], FROM_LENS=queries.from_lens, num_warps=4)
 
 
 def _tma_capable(t: torch.Tensor) -> bool:
@@ -1128,12 +1209,6 @@ def _on_gluon(t: torch.Tensor) -> bool:
     (D <= 128), outside the interpreter. Each launcher adds what its TMA loads need."""
     return (not INTERPRETING and t.is_cuda and t.element_size() == 2
             and torch.cuda.get_device_capability(t.device)[0] == 9 and t.shape[-1] <= 128)
-
-
-def _gluon_route(queries: _Queries, keys: _Keys) -> bool:
-    """Whether _prefill_ws_kernel takes a forward whose TUNING entry asks for it: a linear K/V that
-    TMA reads, and queries with their own positions (not from_lens)."""
-    return _on_gluon(keys.k) and not queries.from_lens and _tma_rows(keys)
 
 
 def decode_swapped(head_dim: int) -> bool:
