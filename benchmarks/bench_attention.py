@@ -149,7 +149,8 @@ def training_table() -> str:
         ours_in = [t.requires_grad_() for t in (q, k, v)]
 
         def ours():
-            torch.autograd.grad(K.varlen_attention(*ours_in, cu, SCALE), ours_in, grad)
+            # max_seqlen, as the trainers pass it (Packed.width): no device-to-host read
+            torch.autograd.grad(K.varlen_attention(*ours_in, cu, SCALE, SEQ), ours_in, grad)
 
         def batch(t):  # [B*SEQ, heads, D] -> [B, heads, SEQ, D]
             return t.detach().view(b, SEQ, t.shape[1], HEAD_DIM).transpose(1, 2).contiguous()

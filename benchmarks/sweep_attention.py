@@ -88,9 +88,9 @@ def _training_case(tokens: int = 4 * 4096, seq: int = 4096):
     q, k, v, grad = r(tokens, HEADS, D), r(tokens, KV_HEADS, D), r(tokens, KV_HEADS, D), r(tokens, HEADS, D)
     cu = torch.arange(0, tokens + 1, seq, device="cuda", dtype=torch.int32)
     scale = 1 / math.sqrt(D)
-    out, lse = torch.ops.lockstep.varlen_attention(q, k, v, cu, scale)
-    return (lambda: torch.ops.lockstep.varlen_attention(q, k, v, cu, scale)[0],
-            lambda: torch.ops.lockstep.varlen_attention_backward(grad, q, k, v, cu, out, lse, scale))
+    out, lse = torch.ops.lockstep.varlen_attention(q, k, v, cu, scale, seq)  # (max_seqlen: no host sync)
+    return (lambda: torch.ops.lockstep.varlen_attention(q, k, v, cu, scale, seq)[0],
+            lambda: torch.ops.lockstep.varlen_attention_backward(grad, q, k, v, cu, out, lse, scale, seq))
 
 
 def _close(got, want) -> bool:

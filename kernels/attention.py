@@ -51,17 +51,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, max_seqlen: int | None = None) -> torch.Tensor:
     """Causal attention over packed sequences: q [N, H, D]; k, v [N, Hkv, D]; cu_seqlens [B+1] int32
-    (sequence r is tokens cu[r]..cu[r+1]-1, its token i at position i). Returns [N, H, D]."""
+    (sequence r is tokens cu[r]..cu[r+1]-1, its token i at position i). Returns [N, H, D].
+    max_seqlen: the longest sequence (or any larger bound) when the caller knows it, as flash-attn's
+    varlen API takes it (Packed.width in the trainers). The op then reads nothing back from the
+    device, forward or backward (no host sync: the host keeps queueing work while the GPU runs), and
+    so does not check cu_seqlens' values: the caller vouches that they cover the N tokens. Without
+    it, the op checks them and reads the longest sequence. It never changes a bit."""
     _check_heads("varlen_attention", q, k, v, k.shape[-2])
-    if k.shape[0] != q.shape[0] or cu_seqlens.dim() != 1 or int(cu_seqlens[-1]) != q.shape[0]:
+    if k.shape[0] != q.shape[0] or cu_seqlens.dim() != 1:
+        raise ValueError(f"varlen_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must hold the same "
+                         f"tokens, and cu_seqlens {tuple(cu_seqlens.shape)} must be a vector")
+    if max_seqlen is None and int(cu_seqlens[-1]) != q.shape[0]:
         raise ValueError(f"varlen_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must hold the same "
                          f"tokens, all of them in the sequences of cu_seqlens {cu_seqlens.tolist()}")
-    return _varlen(q, k, v, cu_seqlens, scale)
+    return _varlen(q, k, v, cu_seqlens, scale, max_seqlen)
 
 
-def _reference_varlen(q, k, v, cu_seqlens, scale):
+def _reference_varlen(q, k, v, cu_seqlens, scale, max_seqlen=None):
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     idx, valid = _ragged_index(cu_seqlens[:-1], lens)
     pos = torch.arange(idx.shape[1], device=q.device).expand_as(idx)

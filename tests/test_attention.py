@@ -269,6 +269,24 @@ def test_gradients_against_float64(device, route):
         assert err < GRAD_ATOL, f"d{name}: max abs error {err:.3g} against float64"
 
 
+def test_varlen_max_seqlen_moves_no_bit(triton_backend):
+    """max_seqlen (the caller's bound on the longest sequence: no device-to-host read) gives the
+    bits of the op without it, forward and backward, exact or over-estimated; the negative control:
+    a bound below the longest sequence (the caller's contract broken) leaves its later tiles out."""
+    q, k, v, cu = _packed([150, 12, 30], 4, 2, 16, device=TRITON_DEVICE)  # 3 tiles of 64 queries x 2 heads
+    grad = torch.randn_like(q)
+
+    def run(max_seqlen):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = K.varlen_attention(*inputs, cu, None, max_seqlen)
+        return (out, *torch.autograd.grad(out, inputs, grad))
+
+    ref = run(None)
+    for bound in (150, 200):
+        assert all(torch.equal(a, b) for a, b in zip(run(bound), ref)), bound
+    assert not torch.equal(run(20)[0][:150], ref[0][:150])
+
+
 def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
     q, k, v, cu = _packed([70, 20], 4, 1, 16, device=TRITON_DEVICE)
     last = torch.tensor([[69]], device=TRITON_DEVICE)
@@ -284,7 +302,7 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
         assert torch.equal(K.varlen_attention(q, k, v, cu), ref)
         assert torch.equal(K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last), decode)
     # over a linear K/V (this packed one takes the TMA route), the blocks through descriptors or loads
-    assert triton_backend._descriptors(triton_backend._varlen_layout(q, k, v, cu)[1], 16)[0] is not None
+    assert triton_backend._descriptors(triton_backend._varlen_layout(q, k, v, cu, None)[1], 16)[0] is not None
     for linear in (dict(TMA=False, PREFETCH=True, num_stages=1, GLUON=False),
                    dict(TMA=False, PREFETCH=False, num_stages=2, GLUON=False), dict(TMA=True, num_stages=2, GLUON=False),
                    dict(GLUON=True)):  # (Gluon: 16-bit on Hopper; these float32 inputs take the tl kernel)
@@ -388,6 +406,7 @@ def test_custom_ops(triton_backend):
     q, k, v, cu = _packed([19, 5], 4, 2, 16, device=TRITON_DEVICE)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(torch.ops.lockstep.varlen_attention, (q, k, v, cu, 0.25), test_utils=checks)
+    torch.library.opcheck(torch.ops.lockstep.varlen_attention, (q, k, v, cu, 0.25, 19), test_utils=checks)
     pos = torch.arange(19, device=TRITON_DEVICE).expand(2, 19)
     padded = [_padded(t, cu, 19) for t in (q, k, v)]
     torch.library.opcheck(torch.ops.lockstep.causal_attention, (*padded, pos, 0.25), test_utils=checks)
@@ -480,7 +499,7 @@ def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monke
 
     lens = [3001, 1024, 1777, 77, 5]
     q, k, v, cu = _packed(lens, heads, 8, 128, torch.bfloat16, "cuda")
-    assert A._gluon_view(A._varlen_layout(q, k, v, cu)[1]) is not None
+    assert A._gluon_view(A._varlen_layout(q, k, v, cu, None)[1]) is not None
     # dK/dV's Gluon form takes the table's tiles only: the comparison below runs it against the tl kernel
     assert (A.TUNING["bwd_dkdv"]["BLOCK_KV"], A.TUNING["bwd_dkdv"]["BLOCK_Q"]) == (A._WS_TILE.value, A._WS_HALF.value)
     width = max(lens) + 3

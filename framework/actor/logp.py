@@ -131,7 +131,7 @@ def model_logp(model, rollout: Rollout, samples: torch.Tensor, *, real_vocab_siz
     for idx in sample_groups(rollout, samples, max_tokens, pack):
         if pack:
             p = Packed.of(rollout, idx, dev)
-            hidden = p.unpack(model(p.tokens, p.positions, cu_seqlens=p.cu_seqlens))
+            hidden = p.unpack(model(p.tokens, p.positions, cu_seqlens=p.cu_seqlens, max_seqlen=p.width))
         else:
             width = int(rollout.seq_lens[idx].max())
             tokens = rollout.tokens[idx, :width].to(dev)

@@ -83,7 +83,8 @@ class AttentionOps:
     rope_cos_sin: Callable  # (positions, head_dim, theta) -> cos, sin [..., head_dim] fp32
     apply_rope: Callable  # (x [..., T, H, D], cos, sin [..., T, D]) -> x rotated
     attention: Callable  # (q [B,Tq,H,D], k, v [B,S,Hkv,D], q_pos [B,Tq], scale) -> [B,Tq,H,D]
-    varlen_attention: Callable  # packed sequences: (q [N,H,D], k, v [N,Hkv,D], cu_seqlens [B+1], scale) -> [N,H,D]
+    # packed sequences: (q [N,H,D], k, v [N,Hkv,D], cu_seqlens [B+1], scale, max_seqlen) -> [N,H,D]
+    varlen_attention: Callable
     paged_attention: Callable | None  # lockstep.kernels.paged_attention's signature (R only)
 
 
@@ -274,8 +275,9 @@ class ProviderLogp:
 DEFAULT_PROVIDER = "lockstep.kernels.provider:linear_logp_provider"
 
 
-def sdpa_varlen_attention(q, k, v, cu_seqlens, scale=None):
-    """Packed causal attention with torch's SDPA, one sequence at a time."""
+def sdpa_varlen_attention(q, k, v, cu_seqlens, scale=None, max_seqlen=None):
+    """Packed causal attention with torch's SDPA, one sequence at a time (max_seqlen: unused; the
+    bounds are read from cu_seqlens)."""
     out, bounds = [], cu_seqlens.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
         pos = torch.arange(b - a, device=q.device)[None]

@@ -286,12 +286,15 @@ class Qwen3ForCausalLM(nn.Module):
 
     # ---- compute -------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, cu_seqlens: torch.Tensor | None = None,
+                max_seqlen: int | None = None) -> torch.Tensor:
         """input_ids, positions [B, T] -> final hidden states [B, T, H] (after the last norm).
 
         Without a cache, row b must hold its sequence from position 0 (teacher forcing). cu_seqlens
         [S+1] int32: packed sequences instead, input_ids and positions [1, N] holding sequence r's
-        tokens at cu[r]..cu[r+1]-1 with positions from 0 (the same bits as each sequence on a row)."""
+        tokens at cu[r]..cu[r+1]-1 with positions from 0 (the same bits as each sequence on a row);
+        max_seqlen: their longest, when the caller knows it (varlen_attention then reads nothing back
+        from the device)."""
         ops, cfg = self.ops, self.config
         if cu_seqlens is not None and (cache is not None or input_ids.shape[0] != 1):
             raise ValueError("packed sequences (cu_seqlens) are one row of tokens, without a KV cache")
@@ -301,7 +304,7 @@ class Qwen3ForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             def core(q, k, v, i=i):
                 if cu_seqlens is not None:
-                    return ops.attention.varlen_attention(q[0], k[0], v[0], cu_seqlens, scale)[None]
+                    return ops.attention.varlen_attention(q[0], k[0], v[0], cu_seqlens, scale, max_seqlen)[None]
                 if cache is not None:
                     k, v = cache.write(i, positions, k, v)
                 return ops.attention.attention(q, k, v, positions, scale)

@@ -1015,10 +1015,15 @@ def _positions(begin: torch.Tensor, count: torch.Tensor, first_pos: torch.Tensor
     return torch.arange(n, device=begin.device, dtype=torch.int32) + offset
 
 
-def _varlen_layout(q, k, v, cu_seqlens) -> tuple[_Queries, _Keys]:
+def _varlen_layout(q, k, v, cu_seqlens, max_seqlen: int | None) -> tuple[_Queries, _Keys]:
+    """max_seqlen (the caller's bound on the longest sequence) sizes the grids; without it, one
+    device-to-host read of the longest."""
     cu = cu_seqlens.int()
     begin, count = cu[:-1], cu[1:] - cu[:-1]
-    max_count = int(count.max()) if count.numel() else 0
+    if max_seqlen is not None:
+        max_count = max_seqlen
+    else:
+        max_count = int(count.max()) if count.numel() else 0
     pos = _positions(begin, count, torch.zeros_like(begin), q.shape[0])
     k, v = k.contiguous(), v.contiguous()
     keys = _Keys(k, v, begin[:, None].contiguous(), _LINEAR_PAGE, k.stride(0), k.stride(1), k.stride(0),
@@ -1317,15 +1322,16 @@ def _causal_bwd_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 @torch.library.custom_op("lockstep::varlen_attention", mutates_args=())
 def _varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    queries, keys = _varlen_layout(q, k, v, cu_seqlens)
+               scale: float, max_seqlen: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    queries, keys = _varlen_layout(q, k, v, cu_seqlens, max_seqlen)
     return _forward(queries, keys, scale, decode=False)
 
 
 @torch.library.custom_op("lockstep::varlen_attention_backward", mutates_args=())
 def _varlen_bwd_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    queries, keys = _varlen_layout(q, k, v, cu_seqlens)
+                   out: torch.Tensor, lse: torch.Tensor, scale: float,
+                   max_seqlen: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    queries, keys = _varlen_layout(q, k, v, cu_seqlens, max_seqlen)
     return _backward(grad, queries, keys, out, lse, scale)
 
 
@@ -1344,13 +1350,17 @@ def _(q, k, v, q_pos, scale):
 
 
 @_varlen_op.register_fake
-def _(q, k, v, cu_seqlens, scale):
+def _(q, k, v, cu_seqlens, scale, max_seqlen=None):
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 @_causal_bwd_op.register_fake
-@_varlen_bwd_op.register_fake
 def _(grad, q, k, v, index, out, lse, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@_varlen_bwd_op.register_fake
+def _(grad, q, k, v, index, out, lse, scale, max_seqlen=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -1360,17 +1370,18 @@ def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, max_qu
 
 
 def _register_autograd(op, backward_op: Callable) -> None:
-    """Autograd of an op (q, k, v, index, scale) -> (out, lse) through its backward op; lse is
-    internal (the entry points return out only), so its gradient is never used."""
+    """Autograd of an op (q, k, v, index, scale, *rest) -> (out, lse) through its backward op, which
+    takes the forward's `rest` (varlen's max_seqlen) after the scale; lse is internal (the entry
+    points return out only), so its gradient is never used."""
     def setup_context(ctx, inputs, output):
-        q, k, v, index, scale = inputs
+        q, k, v, index, scale, *rest = inputs
         ctx.save_for_backward(q, k, v, index, *output)
-        ctx.scale = scale
+        ctx.scale, ctx.rest = scale, rest
 
     def backward(ctx, grad, _grad_lse):
         q, k, v, index, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward_op(grad, q, k, v, index, out, lse, ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = backward_op(grad, q, k, v, index, out, lse, ctx.scale, *ctx.rest)
+        return dq, dk, dv, None, None, *(None for _ in ctx.rest)
 
     op.register_autograd(backward, setup_context=setup_context)
 
@@ -1389,8 +1400,8 @@ def causal_attention(q, k, v, q_pos, scale=None):
     return _causal_op(q, k, v, q_pos, _scale(scale, q.shape[-1]))[0]
 
 
-def varlen_attention(q, k, v, cu_seqlens, scale=None):
-    return _varlen_op(q, k, v, cu_seqlens, _scale(scale, q.shape[-1]))[0]
+def varlen_attention(q, k, v, cu_seqlens, scale=None, max_seqlen=None):
+    return _varlen_op(q, k, v, cu_seqlens, _scale(scale, q.shape[-1]), max_seqlen)[0]
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale=None, max_query_len=None,

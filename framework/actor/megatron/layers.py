@@ -98,6 +98,7 @@ class SequenceShard:
     # packed sequences (one row of tokens, b = 1): sequence r is tokens cu[r]..cu[r+1]-1 and
     # `positions` holds each token's position in its sequence (context parallelism: not with packing)
     cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int | None = None  # their longest (varlen_attention then reads nothing back from the device)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -157,7 +158,8 @@ class LockstepTransformerLayer(TransformerLayer):
 
         def core(q, k, v):  # [s, b, heads, d] -> megatron's [s, b] layout around the [b, s] op
             if cu is not None:
-                return ops.attention.varlen_attention(q[:, 0], k[:, 0], v[:, 0], cu.to(dev), scale)[:, None]
+                return ops.attention.varlen_attention(q[:, 0], k[:, 0], v[:, 0], cu.to(dev), scale,
+                                                      shard.max_seqlen)[:, None]
             if cp_group is not None:  # every key in position order: the same fixed KV blocks as CP 1
                 order = shard.order.to(dev)
                 k, v = (_GatherSequence.apply(t, cp_group)[order] for t in (k, v))

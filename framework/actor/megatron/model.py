@@ -88,10 +88,11 @@ def packed_hidden_states(model: GPTModel, packed) -> torch.Tensor:
     (one forward over the packed row; no context parallelism)."""
     shard = model.lockstep_shard
     shard.cp_group, shard.positions, shard.cu_seqlens = None, packed.positions[0], packed.cu_seqlens
+    shard.max_seqlen = packed.width
     try:
         return packed.unpack(model(input_ids=packed.tokens, position_ids=None, attention_mask=None))
     finally:
-        shard.positions, shard.cu_seqlens = None, None
+        shard.positions, shard.cu_seqlens, shard.max_seqlen = None, None, None
 
 
 def hidden_states(model: GPTModel, tokens: torch.Tensor, cp_group=None, cp: int = 1, cp_rank: int = 0):
@@ -100,7 +101,7 @@ def hidden_states(model: GPTModel, tokens: torch.Tensor, cp_group=None, cp: int 
     sequence (layers.zigzag_positions; the sequence padded to a multiple of 2 cp), attending over
     every rank's keys."""
     shard = model.lockstep_shard
-    shard.cu_seqlens = None
+    shard.cu_seqlens = shard.max_seqlen = None
     if cp == 1:
         shard.cp_group, shard.positions = None, None
         return model(input_ids=tokens, position_ids=None, attention_mask=None), torch.arange(tokens.shape[1])
