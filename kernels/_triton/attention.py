@@ -42,9 +42,10 @@ programs own a query tile and walk the key blocks, both in increasing order; eac
 tiles some row of which must not see some key. The tiles (TUNING) fix the order of the gradient
 sums, which depends on no other sequence of the batch.
 
-Entry points are torch custom ops (lockstep::causal_attention, lockstep::varlen_attention,
-lockstep::paged_attention, and the two backward ops) with fake implementations and, for the
-first two, registered autograd.
+Inside a torch.compile trace the entry points are torch custom ops (lockstep::causal_attention,
+lockstep::varlen_attention, lockstep::paged_attention, and the two backward ops) with fake
+implementations and, for the first two, registered autograd; eager calls run the same forward and
+backward functions through one autograd.Function (_Eager), without the custom ops' dispatch.
 """
 from __future__ import annotations
 
@@ -1298,18 +1299,17 @@ def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):
     return dq, dk, dv
 
 
-# ---- custom ops ----------------------------------------------------------------------------------
+# ---- the ops: forward and backward functions, as torch custom ops (for torch.compile) and as one
+# autograd.Function (eager) ---------------------------------------------------------------------
 
-@torch.library.custom_op("lockstep::causal_attention", mutates_args=())
-def _causal_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     queries, keys = _padded_layout(q, k, v, q_pos)
     out, lse = _forward(queries, keys, scale, decode=q.shape[1] == 1)
     return out.view(q.shape), lse.view(q.shape[:3])
 
 
-@torch.library.custom_op("lockstep::causal_attention_backward", mutates_args=())
-def _causal_bwd_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+def _causal_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     consecutive = q_pos[:, :1] + torch.arange(q_pos.shape[1], device=q_pos.device)
     if not torch.equal(q_pos, consecutive):
@@ -1320,28 +1320,32 @@ def _causal_bwd_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return dq.view(q.shape), dk, dv
 
 
-@torch.library.custom_op("lockstep::varlen_attention", mutates_args=())
-def _varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                scale: float, max_seqlen: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     queries, keys = _varlen_layout(q, k, v, cu_seqlens, max_seqlen)
     return _forward(queries, keys, scale, decode=False)
 
 
-@torch.library.custom_op("lockstep::varlen_attention_backward", mutates_args=())
-def _varlen_bwd_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+def _varlen_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, scale: float,
                    max_seqlen: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     queries, keys = _varlen_layout(q, k, v, cu_seqlens, max_seqlen)
     return _backward(grad, queries, keys, out, lse, scale)
 
 
-@torch.library.custom_op("lockstep::paged_attention", mutates_args=())
-def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
               seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int | None,
               max_seq_len: int | None) -> torch.Tensor:
     queries, keys = _paged_layout(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len,
                                   max_seq_len)
     return _forward(queries, keys, scale, decode=True)[0]
+
+
+_causal_op = torch.library.custom_op("lockstep::causal_attention", _causal, mutates_args=())
+_causal_bwd_op = torch.library.custom_op("lockstep::causal_attention_backward", _causal_bwd, mutates_args=())
+_varlen_op = torch.library.custom_op("lockstep::varlen_attention", _varlen, mutates_args=())
+_varlen_bwd_op = torch.library.custom_op("lockstep::varlen_attention_backward", _varlen_bwd, mutates_args=())
+_paged_op = torch.library.custom_op("lockstep::paged_attention", _paged, mutates_args=())
 
 
 @_causal_op.register_fake
@@ -1390,6 +1394,33 @@ _register_autograd(_causal_op, _causal_bwd_op)
 _register_autograd(_varlen_op, _varlen_bwd_op)
 
 
+class _Eager(torch.autograd.Function):
+    """An op's autograd outside a torch.compile trace: the custom op's forward and backward functions
+    called directly, without the custom op's dispatch (about 0.2 ms of host time a call on an H200's
+    host, benchmarks/RESULTS.md; eager training and vLLM's eager attention pay it every layer). The
+    same functions, so the same kernels and bits."""
+
+    @staticmethod
+    def forward(ctx, forward, backward, q, k, v, index, scale, *rest):
+        out, lse = forward(q, k, v, index, scale, *rest)
+        ctx.save_for_backward(q, k, v, index, out, lse)
+        ctx.backward, ctx.scale, ctx.rest = backward, scale, rest
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, index, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.backward(grad, q, k, v, index, out, lse, ctx.scale, *ctx.rest)
+        return None, None, dq, dk, dv, None, None, *(None for _ in ctx.rest)
+
+
+def _call(op, forward, backward, q, k, v, index, scale, *rest):
+    """out of the op: the custom op inside a torch.compile trace (opaque to it), else _Eager."""
+    if torch.compiler.is_compiling():
+        return op(q, k, v, index, scale, *rest)[0]
+    return _Eager.apply(forward, backward, q, k, v, index, scale, *rest)
+
+
 # ---- entry points (called by lockstep.kernels.attention when the backend is triton) ---------------
 
 def _scale(scale: float | None, d: int) -> float:
@@ -1397,14 +1428,15 @@ def _scale(scale: float | None, d: int) -> float:
 
 
 def causal_attention(q, k, v, q_pos, scale=None):
-    return _causal_op(q, k, v, q_pos, _scale(scale, q.shape[-1]))[0]
+    return _call(_causal_op, _causal, _causal_bwd, q, k, v, q_pos, _scale(scale, q.shape[-1]))
 
 
 def varlen_attention(q, k, v, cu_seqlens, scale=None, max_seqlen=None):
-    return _varlen_op(q, k, v, cu_seqlens, _scale(scale, q.shape[-1]), max_seqlen)[0]
+    return _call(_varlen_op, _varlen, _varlen_bwd, q, k, v, cu_seqlens, _scale(scale, q.shape[-1]), max_seqlen)
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale=None, max_query_len=None,
                     max_seq_len=None):
-    return _paged_op(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, _scale(scale, q.shape[-1]),
-                     max_query_len, max_seq_len)
+    paged = _paged_op if torch.compiler.is_compiling() else _paged  # (forward only: no autograd)
+    return paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, _scale(scale, q.shape[-1]),
+                 max_query_len, max_seq_len)
