@@ -1010,10 +1010,25 @@ class _Keys(NamedTuple):
     max_count: int
 
 
-def _positions(begin: torch.Tensor, count: torch.Tensor, first_pos: torch.Tensor, n: int) -> torch.Tensor:
-    """Position of each of n packed queries: first_pos[r] + (index within its sequence)."""
-    offset = torch.repeat_interleave(first_pos - begin, count, output_size=n)
-    return torch.arange(n, device=begin.device, dtype=torch.int32) + offset
+@triton.jit
+def _varlen_positions_kernel(cu, pos, BLOCK: tl.constexpr):
+    """pos[t] = t - cu[r] for every token t of sequence r (a program a sequence)."""
+    r = tl.program_id(0)
+    begin = tl.load(cu + r)
+    end = tl.load(cu + r + 1)
+    for t0 in range(begin, end, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        tl.store(pos + t, t - begin, mask=t < end)
+
+
+def _varlen_positions(cu: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] int32: each packed token's index within its sequence of cu [B+1], in one launch (the torch
+    ops that computed it took six; _varlen_layout's host time was 0.10-0.16 ms with them on the
+    H200's host)."""
+    pos = torch.empty(n, device=cu.device, dtype=torch.int32)
+    if cu.numel() > 1:
+        _varlen_positions_kernel[(cu.numel() - 1,)](cu, pos, BLOCK=1024)
+    return pos
 
 
 def _varlen_layout(q, k, v, cu_seqlens, max_seqlen: int | None) -> tuple[_Queries, _Keys]:
@@ -1025,7 +1040,7 @@ def _varlen_layout(q, k, v, cu_seqlens, max_seqlen: int | None) -> tuple[_Querie
         max_count = max_seqlen
     else:
         max_count = int(count.max()) if count.numel() else 0
-    pos = _positions(begin, count, torch.zeros_like(begin), q.shape[0])
+    pos = _varlen_positions(cu.contiguous(), q.shape[0])
     k, v = k.contiguous(), v.contiguous()
     keys = _Keys(k, v, begin[:, None].contiguous(), _LINEAR_PAGE, k.stride(0), k.stride(1), k.stride(0),
                  k.shape[1], count, max_count)
