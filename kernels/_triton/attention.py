@@ -1411,9 +1411,9 @@ _register_autograd(_varlen_op, _varlen_bwd_op)
 
 class _Eager(torch.autograd.Function):
     """An op's autograd outside a torch.compile trace: the custom op's forward and backward functions
-    called directly, without the custom op's dispatch (about 0.2 ms of host time a call on an H200's
-    host, benchmarks/RESULTS.md; eager training and vLLM's eager attention pay it every layer). The
-    same functions, so the same kernels and bits."""
+    called directly, without the custom op's dispatch (host time that eager training and vLLM's
+    eager attention would pay every layer: 0.19-0.30 ms a call in three of four readings on the H200
+    machine's host, benchmarks/RESULTS.md). The same functions, so the same kernels and bits."""
 
     @staticmethod
     def forward(ctx, forward, backward, q, k, v, index, scale, *rest):
