@@ -28,6 +28,7 @@
 #               and `linear`; default the row-parallel shapes, `--shapes column --chunks 2` the column ones;
 #               logs named after the args, so one call can run several; $SWEEP_TIMEOUT, default 560 s)
 #   attention   benchmarks/bench_attention.py (tables $ATTENTION_TABLES, default training,prefill,decode)
+#   host_attention benchmarks/host_attention.py (host time a call of the attention ops and their pieces)
 #   sweep_attention benchmarks/sweep_attention.py (attention: tile, load schedule x stages; forwards bitwise-checked,
 #               backward tiles checked against the table's gradients; entries $SWEEP_ENTRIES, default decode,prefill;
 #               also prefill_linear, bwd_dkdv, bwd_dq: training's forward and backward on 4 x 4,096 packed tokens;
@@ -111,6 +112,8 @@ for stage in "$@"; do
              tail -40 "$OUT/sweep_rowtree$tag.log" ;;
     sweep_attention) link_lockstep; timeout 330 python3 benchmarks/sweep_attention.py --entries "${SWEEP_ENTRIES:-decode,prefill}" ${SWEEP_ARGS:-} \
                > "$OUT/sweep_attention.log" 2>&1; grep -E "BEST|DIFFER|failed" "$OUT/sweep_attention.log" ;;
+    host_attention) link_lockstep; timeout 200 python3 benchmarks/host_attention.py > "$OUT/host_attention.log" 2>&1
+             tail -14 "$OUT/host_attention.log" ;;
     attention) link_lockstep; timeout 330 python3 benchmarks/bench_attention.py --tables "${ATTENTION_TABLES:-training,prefill,decode}" \
                > "$OUT/attention.log" 2>&1; tail -40 "$OUT/attention.log" ;;
     sweep_logp) link_lockstep; timeout 300 python3 benchmarks/sweep_logp.py > "$OUT/sweep_logp.log" 2>&1; tail -12 "$OUT/sweep_logp.log" ;;
