@@ -11,7 +11,7 @@ TUNING entry (num_stages x PREFETCH x TMA, the K/V load schedule; GLUON, the war
 of the training forward and dK/dV, and their rings; for decode also the swapped or padded tile and
 the programs per SM; for the backward the tiles) is checked against the current
 table first, then timed: CUDA-graph replay for paged calls, CUDA events for training's varlen
-ones (their launchers read the sequence lengths on the host). Forward tuning changes no bit (every
+ones, call by call, as the training table times them (host time included). Forward tuning changes no bit (every
 candidate's dots are wgmma, whose elements do not depend on the tile's shape or operand order): a
 forward candidate that changes one is reported and never a winner. Backward tiles set the order of
 the gradient sums, so a backward candidate's gradients are checked against the current table's to
@@ -103,7 +103,7 @@ def sweep(entry: str, name: str, fn) -> None:
     """Every candidate of TUNING[entry] on fn; forward entries must give the table's bits, backward
     ones gradients close to the table's (and the same bits twice)."""
     backward = entry.startswith("bwd")
-    # the varlen launchers read the sequence lengths on the host: no CUDA graph for training's calls
+    # training's calls eagerly, as bench_attention's training table times them
     eager = backward or entry == "prefill_linear"
     timer = (lambda f: measure(f).ms * 1e3) if eager else (lambda f: graph_ms_per_call(f) * 1e3)
     default = dict(A.TUNING[entry])
