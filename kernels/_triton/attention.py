@@ -1419,13 +1419,13 @@ class _Eager(torch.autograd.Function):
     def forward(ctx, forward, backward, q, k, v, index, scale, *rest):
         out, lse = forward(q, k, v, index, scale, *rest)
         ctx.save_for_backward(q, k, v, index, out, lse)
-        ctx.backward, ctx.scale, ctx.rest = backward, scale, rest
+        ctx.backward_fn, ctx.scale, ctx.rest = backward, scale, rest
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, index, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.backward(grad, q, k, v, index, out, lse, ctx.scale, *ctx.rest)
+        dq, dk, dv = ctx.backward_fn(grad, q, k, v, index, out, lse, ctx.scale, *ctx.rest)
         return None, None, dq, dk, dv, None, None, *(None for _ in ctx.rest)
 
 
