@@ -1137,10 +1137,10 @@ def _ranked_grid(ranks: int, keys: _Keys, n_seqs: int) -> tuple[int]:
     return (ranks * keys.n_heads * n_seqs,)
 
 
-class _GluonView(NamedTuple):
-    """How _prefill_ws_kernel reads a K/V through TMA: as a [rows, width] matrix of row pitch
+class _TmaView(NamedTuple):
+    """How the kernels read a K/V through TMA: as a [rows, width] matrix of row pitch
     keys.stride_slot, the key in slot s of page p of kv head h at row p * page_rows + h * head_rows
-    + s, column h * head_cols, in boxes of `box` keys (each inside one page)."""
+    + s, column h * head_cols; _prefill_ws_kernel in boxes of `box` keys (each inside one page)."""
     box: int
     page_rows: int
     head_rows: int
@@ -1149,15 +1149,20 @@ class _GluonView(NamedTuple):
     width: int
 
 
-def _gluon_view(keys: _Keys) -> _GluonView | None:
-    """keys' _GluonView, or None where the Gluon forward cannot read them: it needs a device it runs
-    on (_on_gluon), K and V of one layout with contiguous head dims and 16-byte aligned slots, a kv
-    head a run of rows (a paged cache: vLLM's, the benchmarks') or of columns (a linear K/V: [tokens,
-    kv heads, D]), and pages whose TMA boxes stay in one page: a linear K/V, a multiple of the
-    64-key block, or a divisor of it that is a multiple of 8 slots (the 128-byte swizzle's period)."""
+def _gluon_view(keys: _Keys) -> _TmaView | None:
+    """keys' _TmaView where the Gluon forward runs (_on_gluon) and can read them, else None."""
+    return _tma_view(keys) if _on_gluon(keys.k) else None
+
+
+def _tma_view(keys: _Keys) -> _TmaView | None:
+    """keys' _TmaView, or None where TMA cannot read them so: K and V of one layout with contiguous
+    head dims and 16-byte aligned slots, a kv head a run of rows (a paged cache: vLLM's, the
+    benchmarks') or of columns (a linear K/V: [tokens, kv heads, D]), and pages whose TMA boxes stay
+    in one page: a linear K/V, a multiple of the 64-key block, or a divisor of it that is a multiple
+    of 8 slots (the 128-byte swizzle's period)."""
     k, v = keys.k, keys.v
     d, slot = k.shape[-1], keys.stride_slot
-    if not (_on_gluon(k) and k.stride() == v.stride() and k.stride(-1) == 1 and is_aligned(k) and is_aligned(v)
+    if not (k.stride() == v.stride() and k.stride(-1) == 1 and is_aligned(k) and is_aligned(v)
             and (slot * k.element_size()) % ALIGN_BYTES == 0 and keys.stride_page % slot == 0):
         return None
     if keys.stride_head % slot == 0:
@@ -1174,10 +1179,10 @@ def _gluon_view(keys: _Keys) -> _GluonView | None:
     else:
         return None
     page_rows = keys.stride_page // slot
-    return _GluonView(box, page_rows, head_rows, head_cols, k.shape[0] * page_rows, width)
+    return _TmaView(box, page_rows, head_rows, head_cols, k.shape[0] * page_rows, width)
 
 
-def _prefill_ws(queries: _Queries, keys: _Keys, view: _GluonView, out, lse, group: int, qk_scale: float,
+def _prefill_ws(queries: _Queries, keys: _Keys, view: _TmaView, out, lse, group: int, qk_scale: float,
                 min_queries: int, cfg: dict, entry: str) -> None:
     """_prefill_ws_kernel over sequences with at least min_queries queries (TUNING[entry]: cfg)."""
     if cfg["GLUON_STAGES"] < 2:  # a consumer frees a block's slot after waiting for the next block
@@ -1201,27 +1206,16 @@ def _tma_capable(t: torch.Tensor) -> bool:
     return INTERPRETING or (t.is_cuda and t.element_size() == 2 and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
-def _tma_rows(keys: _Keys) -> bool:
-    """Whether TMA can read a linear K/V as a [rows, kv heads * D] matrix (the key at position p of
-    page r is row r * stride_page // stride_slot + p): a device with TMA, and a layout it can
-    address (head dims contiguous, rows 16-byte aligned)."""
-    k, v = keys.k, keys.v
-    width = keys.n_heads * k.shape[-1]
-    return (_tma_capable(k) and keys.stride_head == k.shape[-1] and keys.stride_slot == width
-            and keys.stride_page % keys.stride_slot == 0 and k.is_contiguous() and v.is_contiguous()
-            and is_aligned(k) and is_aligned(v) and (width * k.element_size()) % ALIGN_BYTES == 0)
-
-
 def _descriptors(keys: _Keys, block: int) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
-    """TMA descriptors of a linear K/V as [rows, kv heads * D] matrices of block x D blocks, or
-    (None, None) where TMA cannot take it (_tma_rows)."""
-    if not _tma_rows(keys):
+    """TMA descriptors of a linear K/V as [rows, kv heads * D] matrices (its _TmaView) of block x D
+    blocks for the tl kernels, or (None, None) where TMA cannot take it: no device with TMA
+    (_tma_capable), a layout TMA cannot address, or a paged K/V."""
+    view = _tma_view(keys) if _tma_capable(keys.k) and keys.page_size == _LINEAR_PAGE else None
+    if view is None:
         return None, None
-    k, v = keys.k, keys.v
-    d = k.shape[-1]
-    width = keys.n_heads * d
-    rows = k.numel() // width
-    return tuple(TensorDescriptor(t, [rows, width], [width, 1], [block, d]) for t in (k, v))
+    d = keys.k.shape[-1]
+    return tuple(TensorDescriptor(t, [view.rows, view.width], [keys.stride_slot, 1], [block, d])
+                 for t in (keys.k, keys.v))
 
 
 def _on_gluon(t: torch.Tensor) -> bool:
