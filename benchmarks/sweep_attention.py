@@ -1,7 +1,7 @@
 """Tuning sweep for the Triton attention kernels on the GPU at hand (bf16, Qwen3-8B heads).
 
     python benchmarks/sweep_attention.py [--entries decode,prefill,prefill_linear,bwd_dkdv,bwd_dq]
-                                         [--train-seqs N]
+                                         [--train-seqs N] [--only KEY=VALUE]
 
 Decode (one query per request, 16-token pages in random order) at the rollout workload's shape
 (batch 128, 600 keys) and at the decode table's corners, a 4k-token prefill (paged), and training's
@@ -10,8 +10,8 @@ larger training row; N = 1 its smaller one). Every candidate of kernels/_triton/
 TUNING entry (num_stages x PREFETCH x TMA, the K/V load schedule; GLUON, the warp-specialised forms
 of the training forward and dK/dV, and their rings; for decode also the swapped or padded tile and
 the programs per SM; for the backward the tiles) is checked against the current
-table first, then timed: CUDA-graph replay for paged calls, CUDA events for training's varlen
-ones, call by call, as the training table times them (host time included). Forward tuning changes no bit (every
+table first, then timed as bench_attention.py's tables time them: CUDA-graph replay of 10 calls.
+Forward tuning changes no bit (every
 candidate's dots are wgmma, whose elements do not depend on the tile's shape or operand order): a
 forward candidate that changes one is reported and never a winner. Backward tiles set the order of
 the gradient sums, so a backward candidate's gradients are checked against the current table's to
@@ -24,7 +24,7 @@ import math
 import torch
 import triton
 
-from _harness import graph_ms_per_call, measure
+from _harness import graph_ms_per_call
 import lockstep.kernels as K
 from lockstep.kernels._triton import attention as A
 
@@ -37,8 +37,9 @@ PREFILL = [4096]
 CANDIDATES = {
     "prefill": [dict(GLUON=False, num_stages=s, PREFETCH=p) for p, stages in ((False, (2, 3, 4)), (True, (1, 3)))
                 for s in stages]
-    # the warp-specialised Gluon kernel over the pages (boxes of a page), a ring of GLUON_STAGES blocks
-    + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)],
+    # the warp-specialised Gluon kernel over the pages (boxes of a page), a ring of GLUON_STAGES blocks;
+    # SPLIT_MASK: the blocks every row of a consumer sees whole unmasked
+    + [dict(GLUON=True, GLUON_STAGES=s, SPLIT_MASK=m) for s in (2, 3, 4) for m in (False, True)],
     # (swapped tiles with num_stages=1 faulted on the H200, Triton 3.6: the launcher refuses them)
     # TMA: the blocks before a tile's last through descriptors, pipelined over num_stages
     # (GLUON=False: the tl kernel, whose schedules these are)
@@ -48,7 +49,7 @@ CANDIDATES = {
     # 64-row tiles on one warpgroup: two programs an SM, each one's softmax beside the other's MMAs
     + [dict(GLUON=False, TMA=True, PREFETCH=False, BLOCK_Q=64, num_warps=4, num_stages=s) for s in (2, 3, 4)]
     # the warp-specialised Gluon kernel: a producer warp, two consumer warpgroups, a ring of GLUON_STAGES
-    + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)],
+    + [dict(GLUON=True, GLUON_STAGES=s, SPLIT_MASK=m) for s in (2, 3, 4) for m in (False, True)],
     # one program per BLOCK_KV keys looping over BLOCK_Q-row query tiles / one per BLOCK_Q rows over
     # BLOCK_KV-key blocks
     "bwd_dkdv": [dict(BLOCK_KV=kv, BLOCK_Q=bq, num_warps=w, num_stages=st, GLUON=False)
@@ -103,9 +104,7 @@ def sweep(entry: str, name: str, fn) -> None:
     """Every candidate of TUNING[entry] on fn; forward entries must give the table's bits, backward
     ones gradients close to the table's (and the same bits twice)."""
     backward = entry.startswith("bwd")
-    # training's calls eagerly, as bench_attention's training table times them
-    eager = backward or entry == "prefill_linear"
-    timer = (lambda f: measure(f).ms * 1e3) if eager else (lambda f: graph_ms_per_call(f) * 1e3)
+    timer = lambda f: graph_ms_per_call(f) * 1e3  # noqa: E731 - as bench_attention's tables time them
     default = dict(A.TUNING[entry])
     want = fn()
     base = timer(fn)
@@ -144,8 +143,13 @@ def main() -> None:
     p.add_argument("--entries", default="decode,prefill", help="TUNING entries to sweep (decode, prefill, "
                    "prefill_linear, bwd_dkdv, bwd_dq)")
     p.add_argument("--train-seqs", type=int, default=4, help="4,096-token sequences of the training case")
+    p.add_argument("--only", default="", help="KEY=VALUE: only the candidates whose KEY is VALUE (e.g. GLUON=True)")
     args = p.parse_args()
     entries, train_seqs = args.entries.split(","), args.train_seqs
+    if args.only:
+        key, value = args.only.split("=", 1)
+        for entry in CANDIDATES:
+            CANDIDATES[entry] = [c for c in CANDIDATES[entry] if str(c.get(key)) == value]
     unknown = set(entries) - set(CANDIDATES)
     if unknown:
         raise SystemExit(f"sweep_attention: no candidates for {sorted(unknown)}; entries: {sorted(CANDIDATES)}")

@@ -88,7 +88,10 @@ TUNING = {
     # 4k prompt (H200, benchmarks/sweep_attention.py, RESULTS.md)
     # GLUON (16-bit, Hopper): _prefill_ws_kernel as for "prefill_linear" below, each 64-key block as
     # TMA boxes of one page (four at vLLM's 16-key pages), a ring of GLUON_STAGES blocks
-    "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True, GLUON=True, GLUON_STAGES=3),
+    # SPLIT_MASK (GLUON): a consumer's blocks that all its rows see whole skip the mask (its select
+    # and compares: _ws_softmax), the same bits
+    "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True, GLUON=True, GLUON_STAGES=3,
+                    SPLIT_MASK=True),
     # the same over a linear K/V (training's packed or padded one): TMA (on GPUs that have it) brings
     # every block but a tile's last through a descriptor, pipelined by Triton over num_stages (242
     # registers, no spill). sweep_attention.py, H200, 4 x 4,096 packed tokens, two calls: 2.09-2.18 ms
@@ -103,7 +106,7 @@ TUNING = {
     # 2.73 and 2.82 / 3.03): the sweeps alone do not separate the two, the A/B does. The consumers
     # taking turns to issue their MMAs (FA3's ping-pong): 1.65, not kept
     "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True,
-                           GLUON_STAGES=3),
+                           GLUON_STAGES=3, SPLIT_MASK=True),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
     # group's query heads; the last of them to finish merges the chunk states, or with P = 1 the one
     # program merges in registers. SWAP: the dots run with their operands swapped, the heads as the
@@ -254,7 +257,12 @@ def _block_softmax(s, key_pos, pos, m, qk_scale, SWAP: tl.constexpr):
         seen = key_pos[:, None] <= pos[None, :]
     else:
         seen = key_pos[None, :] <= pos[:, None]
-    s = tl.where(seen, s * qk_scale, float("-inf"))
+    return _scaled_softmax(tl.where(seen, s * qk_scale, float("-inf")), m, SWAP)
+
+
+@triton.jit
+def _scaled_softmax(s, m, SWAP: tl.constexpr):
+    """_block_softmax from the block's scaled, masked products s (log2 units)."""
     m_new = tl.maximum(m, _row_max(s, SWAP))
     # A row that has seen no key of this chunk yet has m_new = -inf; measuring from 0 keeps its
     # state exactly empty (l = 0, acc = 0) instead of NaN (exp2(-inf - -inf)).
@@ -533,7 +541,8 @@ def _ws_producer(k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_
     """Blocks 0 .. last of the tile's keys, in order, into the ring (a slot refilled once both
     consumers freed it), each as BOX-key boxes of one page: a box whose keys are all at or before hi
     through k_all/v_all (the whole K/V), hi's box and those after it through k_end/v_end (ending at
-    hi's row, row_hi: the keys past hi read as zeros; a box past hi lies wholly past it)."""
+    hi's row, row_hi: the keys past hi read as zeros; a box past hi lies wholly past it). A linear
+    K/V passes k_end/v_end as k_all/v_all too: its rows up to row_hi are every key up to hi."""
     BOX: gl.constexpr = k_all.block_type.shape[0]
     KV_BLOCK: gl.constexpr = k_smem.shape[1]
     for blk in range(0, last + 1):
@@ -564,9 +573,34 @@ def _ws_merge(m, l, acc, m_c, l_c, acc_c):
 
 
 @gluon.jit
+def _mul_rn(x, c):
+    """x * c rounded to fp32 (PTX mul.rn, which is never contracted into an fma)."""
+    return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, c], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _ws_softmax(s, blk, pos, m, qk_scale, n_full, SPLIT_MASK: gl.constexpr):
+    """_block_softmax of block blk for a consumer's rows (positions pos). SPLIT_MASK: a block that
+    every row sees whole (blk < n_full) skips the mask and its select: its products are rounded by
+    mul.rn, as the where rounds them in _block_softmax (no fma contraction either way), so every
+    bit is the masked expression's."""
+    KV_BLOCK: gl.constexpr = s.shape[1]
+    key_pos = blk * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, s.type.layout))
+    if SPLIT_MASK:
+        if blk < n_full:
+            m_new, alpha, p = _scaled_softmax(_mul_rn(s, qk_scale), m, False)
+        else:
+            m_new, alpha, p = _block_softmax(s, key_pos, pos, m, qk_scale, False)
+    else:
+        m_new, alpha, p = _block_softmax(s, key_pos, pos, m, qk_scale, False)
+    return m_new, alpha, p
+
+
+@gluon.jit
 def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq, row0,
                  kv_head, n_heads, qk_scale, last, GROUP: gl.constexpr, KV_CHUNK: gl.constexpr, STAGES: gl.constexpr,
-                 FROM_LENS: gl.constexpr):
+                 FROM_LENS: gl.constexpr, SPLIT_MASK: gl.constexpr):
     """Rows row0 .. row0 + 63 of the tile: every block folded into the chunk state, chunk states
     merged into the running state at each chunk's last block (or the tile's last), as _row_state."""
     ROWS: gl.constexpr = q_smem.shape[0]
@@ -582,6 +616,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
     rows = row0 + gl.arange(0, ROWS, layout=ROW_S)
     tok, _ = _rows(rows, begin, n_queries, kv_head, GROUP)
     pos = _query_pos(q_pos, tok, rows, seq, n_queries, GROUP, FROM_LENS)
+    n_full = (gl.min(pos, 0) + 1) // KV_BLOCK  # blocks every row sees whole
     m = gl.full([ROWS], float("-inf"), gl.float32, ROW_O)  # the running state (l: a vector)
     l = gl.zeros([ROWS], gl.float32, ROW_O)
     acc = gl.zeros([ROWS, D], gl.float32, O_L)
@@ -594,8 +629,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
     # block's P@V and merge after
     mbarrier.wait(ready.index(0), 0)
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
-    m_c, alpha, p = _block_softmax(s, gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, S_L)), pos, m_c, qk_scale,
-                                   False)
+    m_c, alpha, p = _ws_softmax(s, 0, pos, m_c, qk_scale, n_full, SPLIT_MASK)
     p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
     p_o = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, O_L, 2))
     for blk in range(1, last + 1):
@@ -609,8 +643,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
         m_done = m_c  # block blk - 1's chunk max
         if blk % (KV_CHUNK // KV_BLOCK) == 0:  # block blk starts a chunk: from the empty state
             m_c = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
-        key_pos = blk * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, S_L))
-        m_c, alpha, p = _block_softmax(s, key_pos, pos, m_c, qk_scale, False)
+        m_c, alpha, p = _ws_softmax(s, blk, pos, m_c, qk_scale, n_full, SPLIT_MASK)
         l_c, acc_c, p_l, p_o = warpgroup_mma_wait(num_outstanding=0, deps=(l_c, acc_c, p_l, p_o))
         mbarrier.arrive(empty.index(prev), count=1)
         p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
@@ -638,19 +671,20 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
 def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stride_table, page_size, page_rows,
                        head_rows, head_cols, stride_slot, kv_width, n_heads, qk_scale, min_queries, n_seqs, k_all, v_all,
                        GROUP: gl.constexpr, D: gl.constexpr, KV_BLOCK: gl.constexpr, KV_CHUNK: gl.constexpr,
-                       STAGES: gl.constexpr, FROM_LENS: gl.constexpr):
+                       BOX: gl.constexpr, STAGES: gl.constexpr, FROM_LENS: gl.constexpr, SPLIT_MASK: gl.constexpr):
     """_prefill_kernel, warp-specialised: a program per (128-row tile, kv head, sequence), ranked as
-    _prefill_kernel's. K/V are read as a [rows, kv_width] matrix of row pitch stride_slot (k_all,
-    v_all: its descriptors in BOX-key boxes): the key in slot s of page p of kv head h is row
-    p * page_rows + h * head_rows + s, at column h * head_cols."""
+    _prefill_kernel's. K/V are read as a [rows, kv_width] matrix of row pitch stride_slot: the key
+    in slot s of page p of kv head h is row p * page_rows + h * head_rows + s, at column h *
+    head_cols; k_all, v_all: its host descriptors in BOX-key boxes for a paged K/V, None for a linear
+    one (one page a sequence: the descriptors made here, ending at the tile's last key, serve every
+    block, and the launch carries no host descriptor)."""
     rank, kv_head, seq = _ranked_program(gl.program_id(0), n_heads // GROUP, n_seqs)
     begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
     tile = gl.cdiv(n_queries * GROUP, _WS_TILE) - 1 - rank  # rank 0: the sequence's latest queries
     if (tile < 0) | (n_queries < min_queries):
         return
     dtype: gl.constexpr = q.dtype.element_ty
-    BOX: gl.constexpr = k_all.block_type.shape[0]
-    KV_L: gl.constexpr = k_all.layout
+    KV_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BOX, D], dtype)  # (gluon_layout: the host's)
     LOAD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     ONES_L: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     QS_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_WS_HALF, D], dtype)
@@ -675,13 +709,18 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
     ready, empty = ring_barriers(STAGES)
     fence_async_shared()  # the q and ones stores, before the wgmmas read them
     last = hi // KV_BLOCK
+    if k_all is None:
+        k_src, v_src = k_end, v_end
+    else:
+        k_src, v_src = k_all, v_all
     gl.warp_specialize([
         (_ws_consumer, (q0_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
-                        tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, FROM_LENS)),
+                        tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, FROM_LENS,
+                        SPLIT_MASK)),
         (_ws_consumer, (q1_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
                         tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES,
-                        FROM_LENS)),
-        (_ws_producer, (k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
+                        FROM_LENS, SPLIT_MASK)),
+        (_ws_producer, (k_src, v_src, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
                         head_row, kv_head * head_cols, hi, row_hi, last, STAGES)),
     ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
     invalidate_ring(ready, empty, STAGES)
@@ -1189,15 +1228,18 @@ def _prefill_ws(queries: _Queries, keys: _Keys, view: _TmaView, out, lse, group:
         raise ValueError(f"attention (triton): TUNING['{entry}'] has GLUON with GLUON_STAGES="
                          f"{cfg['GLUON_STAGES']}; the Gluon forward's ring needs at least 2")
     q, d = queries.q, queries.q.shape[2]
-    k_all, v_all = (gluon_descriptor(t.as_strided((view.rows, view.width), (keys.stride_slot, 1)), [view.box, d])
-                    for t in (keys.k, keys.v))
+    if keys.page_size == _LINEAR_PAGE:  # the device descriptors serve every block
+        k_all = v_all = None
+    else:
+        k_all, v_all = (gluon_descriptor(t.as_strided((view.rows, view.width), (keys.stride_slot, 1)), [view.box, d])
+                        for t in (keys.k, keys.v))
     install_descriptor_allocator(q.device)  # the tile's end descriptors are made on the device
     n_seqs = queries.n_seqs
     _prefill_ws_kernel[_ranked_grid(triton.cdiv(queries.max_count * group, _WS_TILE.value), keys, n_seqs)](
         q, keys.k, keys.v, out, lse, *_query_args(queries), keys.table, keys.table.stride(0), keys.page_size,
         view.page_rows, view.head_rows, view.head_cols, keys.stride_slot, view.width, q.shape[1], qk_scale,
-        min_queries, n_seqs, k_all, v_all, GROUP=group, D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK,
-        STAGES=cfg["GLUON_STAGES"], FROM_LENS=queries.from_lens, num_warps=4)
+        min_queries, n_seqs, k_all, v_all, GROUP=group, D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, BOX=view.box,
+        STAGES=cfg["GLUON_STAGES"], FROM_LENS=queries.from_lens, SPLIT_MASK=cfg.get("SPLIT_MASK", False), num_warps=4)
 
 
 def _tma_capable(t: torch.Tensor) -> bool:
