@@ -59,10 +59,13 @@ CANDIDATES = {
     # through TMA): the table's sums at BLOCK_Q 64
     + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)],
     # TMA: the blocks before a tile's last through descriptors
-    "bwd_dq": [dict(BLOCK_Q=bq, BLOCK_KV=kv, num_warps=w, num_stages=st, TMA=tma)
+    "bwd_dq": [dict(BLOCK_Q=bq, BLOCK_KV=kv, num_warps=w, num_stages=st, TMA=tma, GLUON=False)
                for bq, kv, w, st, tma in ((128, 64, 8, 3, False), (64, 32, 4, 4, False), (64, 32, 4, 4, True),
                                           (64, 32, 4, 3, True), (64, 64, 4, 3, True), (64, 64, 4, 4, True),
-                                          (128, 64, 8, 3, True), (128, 32, 4, 4, True), (128, 64, 8, 2, True))],
+                                          (128, 64, 8, 3, True), (128, 32, 4, 4, True), (128, 64, 8, 2, True))]
+    # the warp-specialised Gluon dQ (two consumer warpgroups of 64 rows sharing each K/V block, a
+    # producer warp bringing the blocks through TMA): the tl kernel's sums at BLOCK_Q 64
+    + [dict(BLOCK_Q=64, BLOCK_KV=kv, GLUON=True, GLUON_STAGES=st) for kv in (32, 64) for st in (2, 3, 4)],
     "decode": [dict(SWAP=False, num_stages=3, PREFETCH=False, PROGRAMS_PER_SM=4)]
     + [dict(SWAP=True, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (2, 3, 4) for n in (2, 4)]
     + [dict(SWAP=True, num_stages=3, PREFETCH=True, PROGRAMS_PER_SM=4)],

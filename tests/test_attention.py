@@ -362,12 +362,18 @@ dkdv = compile_sm90(A._bwd_dkdv_kernel, lambda n: "*i32" if n == "kv_count" else
 dkdv_gluon = compile_sm90(A._bwd_dkdv_ws_kernel, lambda n: "*i32" if n == "kv_count" else "i32" if n in WS_INTS
                           | {"stride_head"} else bwd_types(n), dict(GROUP=4, D=128, STAGES=cfg["GLUON_STAGES"]),
                           4, 1)
+cfg = A.TUNING["bwd_dq"]
+dq = compile_sm90(A._bwd_dq_kernel, lambda n: f"tensordesc<bf16[{cfg['BLOCK_KV']}, 128]>" if n.endswith("_desc")
+                  else bwd_types(n), dict(GROUP=4, D=128, BLOCK_Q=cfg["BLOCK_Q"], BLOCK_KV=cfg["BLOCK_KV"], TMA=True),
+                  cfg["num_warps"], cfg["num_stages"])
+dq_gluon = compile_sm90(A._bwd_dq_ws_kernel, lambda n: "i32" if n in WS_INTS else bwd_types(n),
+                        dict(GROUP=4, D=128, BLOCK_KV=cfg["BLOCK_KV"], STAGES=cfg["GLUON_STAGES"]), 4, 1)
 cfg = A.TUNING["decode"]
 decode = {f"{'swapped' if swap else 'padded'}{' in registers' if r else ''}":
           compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=16 if swap else cfg["MIN_ROWS"], MERGE_ROWS=4,
                        IN_REGISTERS=r, FROM_LENS=True, PREFETCH=cfg["PREFETCH"], SWAP=swap, **common),
                        cfg["num_warps"], cfg["num_stages"]) for swap in (True, False) for r in (False, True)}
-print(json.dumps([prefill, linear, gluon, gluon_paged, dkdv, dkdv_gluon, decode]))
+print(json.dumps([prefill, linear, gluon, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, decode]))
 """
 
 
@@ -380,7 +386,7 @@ def test_decode_and_prefill_multiply_with_wgmma():
     kernel spills, and the swapped ones hold far fewer registers (more programs per SM)."""
     from sm90 import probe
 
-    prefill, linear, gluon, gluon_paged, dkdv, dkdv_gluon, decode = probe(_MMA_PROBE)
+    prefill, linear, gluon, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, decode = probe(_MMA_PROBE)
     assert {version for version, _ in prefill["mma"]} == {"3"}, f"expected wgmma (MMA v3) only, got {prefill['mma']}"
     # over a linear K/V (TMA loads) the prefill tile runs the same instructions, without spilling, and
     # so does its warp-specialised Gluon form (the consumers' 64-row wgmmas)
@@ -392,6 +398,9 @@ def test_decode_and_prefill_multiply_with_wgmma():
     # (its consumers hold two [64, D] fp32 accumulators and a tile's products: 152 bytes spilled, probed)
     assert dkdv_gluon["mma"] == dkdv["mma"] and dkdv_gluon["warp_specialized"], (dkdv_gluon, dkdv)
     assert dkdv_gluon["spill_bytes"] <= 256, dkdv_gluon
+    # dQ's Gluon form runs the tl kernel's instructions on 64 rows a consumer, without spilling
+    assert dq_gluon["mma"] == dq["mma"] and dq_gluon["warp_specialized"] and dq_gluon["spill_bytes"] == 0, (dq_gluon,
+                                                                                                        dq)
     for name, d in decode.items():
         assert {version for version, _ in d["mma"]} == {"3"}, f"decode ({name}) MMAs {d['mma']}"
         assert d["spill_bytes"] == 0, (name, d)
@@ -495,8 +504,8 @@ def test_gpu_accuracy_and_deterministic_backward(gpu_triton):
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [32, 16, 8, 64], ids=["group4", "group2", "group1", "group8"])
 def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monkeypatch, heads):
-    """The Gluon kernels over a linear K/V (the forward and dK/dV: TUNING["prefill_linear"] and
-    ["bwd_dkdv"] with GLUON) against the tl kernels, packed and padded, bf16, head_dim 128, 8 kv
+    """The Gluon kernels over a linear K/V (the forward, dK/dV and dQ: TUNING["prefill_linear"],
+    ["bwd_dkdv"] and ["bwd_dq"] with GLUON) against the tl kernels, packed and padded, bf16, head_dim 128, 8 kv
     heads: the same outputs, lse and gradients, bit for bit, with tails of a block, a chunk and a
     tile, and a sequence shorter than one block."""
     from lockstep.kernels._triton import attention as A
@@ -511,15 +520,20 @@ def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monke
     pos = torch.arange(width, device="cuda").expand(len(lens), width)
 
     grad = torch.randn_like(q)
+    p_grad = torch.randn_like(padded[0])
 
     def run(gluon):
         monkeypatch.setitem(A.TUNING, "prefill_linear", {**A.TUNING["prefill_linear"], "GLUON": gluon})
         monkeypatch.setitem(A.TUNING, "bwd_dkdv", {**A.TUNING["bwd_dkdv"], "GLUON": gluon})
+        monkeypatch.setitem(A.TUNING, "bwd_dq", {**A.TUNING["bwd_dq"], "GLUON": gluon})
         out, lse = torch.ops.lockstep.varlen_attention(q, k, v, cu, 0.088)
         grads = torch.ops.lockstep.varlen_attention_backward(grad, q, k, v, cu, out, lse, 0.088)
-        return (out, lse, *torch.ops.lockstep.causal_attention(*padded, pos, 0.088), *grads)
+        p_out, p_lse = torch.ops.lockstep.causal_attention(*padded, pos, 0.088)
+        p_grads = torch.ops.lockstep.causal_attention_backward(p_grad, *padded, pos, p_out, p_lse, 0.088)
+        return (out, lse, p_out, p_lse, *grads, *p_grads)
 
-    for name, a, b in zip(["out", "lse", "padded out", "padded lse", "dq", "dk", "dv"], run(True), run(False)):
+    names = ["out", "lse", "padded out", "padded lse", "dq", "dk", "dv", "padded dq", "padded dk", "padded dv"]
+    for name, a, b in zip(names, run(True), run(False), strict=True):
         differ = (a != b).flatten(1).any(1)
         assert not differ.any(), f"{name}: {int(differ.sum())} of {differ.numel()} rows differ"
 

@@ -129,7 +129,10 @@ TUNING = {
     # one program per (sequence, kv head, BLOCK_Q rows), looping over BLOCK_KV-key blocks; TMA: over
     # a linear K/V (training's is), the blocks before the tile's last through descriptors (170
     # registers). The same sweep: 5.05 ms with TMA against 5.69 without, 5.86 at the former 128 x 64
-    "bwd_dq": dict(BLOCK_Q=64, BLOCK_KV=32, num_warps=4, num_stages=4, TMA=True),
+    # GLUON (16-bit, Hopper, BLOCK_Q 64, a linear K/V): the same sums as the warp-specialised
+    # _bwd_dq_ws_kernel (two consumer warpgroups of 64 rows sharing each K/V block, a producer warp
+    # bringing the blocks through TMA into a ring of GLUON_STAGES)
+    "bwd_dq": dict(BLOCK_Q=64, BLOCK_KV=32, num_warps=4, num_stages=4, TMA=True, GLUON=True, GLUON_STAGES=4),
     # rows per program of the backward's delta (row sums of out * grad): a streaming read
     "bwd_delta": dict(BLOCK_R=32, num_warps=4),
 }
@@ -830,12 +833,19 @@ def _delta_kernel(out, grad, delta, n_rows, D: tl.constexpr, BLOCK_R: tl.constex
 @triton.jit
 def _dq_block(q_tile, do_tile, kb, vb, key_pos, pos, row_lse, row_delta, dq_acc, qk_scale, MASKED: tl.constexpr):
     """Add one key block's share to a query tile's dQ accumulator; MASKED as in _dkdv_tile."""
-    s = tl.dot(q_tile, tl.trans(kb), input_precision="ieee") * qk_scale - row_lse[:, None]
+    ds = _dq_ds(tl.dot(q_tile, tl.trans(kb), input_precision="ieee"), tl.dot(do_tile, tl.trans(vb), input_precision="ieee"),
+                key_pos, pos, row_lse, row_delta, qk_scale, MASKED)
+    return tl.dot(ds.to(kb.dtype), kb, dq_acc, input_precision="ieee")
+
+
+@triton.jit
+def _dq_ds(s, dp, key_pos, pos, row_lse, row_delta, qk_scale, MASKED: tl.constexpr):
+    """dS = P * (dP - delta) of a (query tile, key block) from its q.k products s and dO.v products dp
+    (also the Gluon dQ's)."""
+    s = s * qk_scale - row_lse[:, None]
     if MASKED:
         s = tl.where(key_pos[None, :] <= pos[:, None], s, float("-inf"))
-    p = tl.math.exp2(s)
-    ds = p * (tl.dot(do_tile, tl.trans(vb), input_precision="ieee") - row_delta[:, None])
-    return tl.dot(ds.to(kb.dtype), kb, dq_acc, input_precision="ieee")
+    return tl.math.exp2(s) * (dp - row_delta[:, None])
 
 
 @triton.jit
@@ -1014,6 +1024,142 @@ def _bwd_dkdv_ws_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos
                              qk_scale, scale, first, full, whole, n_rows, GROUP, STAGES)),
         (_dkdv_ws_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, q_first, kv_head, first, n_rows, GROUP,
                              STAGES)),
+    ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
+    invalidate_ring(ready, empty, STAGES)
+
+
+# ---- dQ, warp-specialised (Gluon) ------------------------------------------------------------------
+# _bwd_dq_kernel's sums (TUNING["bwd_dq"]: 64-row query tiles, BLOCK_KV-key blocks in increasing
+# order, the blocks every row sees whole unmasked) with the schedule written out: a program holds two
+# 64-row tiles, a consumer warpgroup each, and a producer warp brings every key block's K and V
+# through TMA once for both (over a linear K/V: one descriptor, made on the device, that ends at the
+# program's last key). A consumer's rows see keys up to its own last position; the blocks past its
+# own last it waits for and frees without computing, as the tl kernel never loads them. Keys past a
+# row's position in its last block hold their values here (the tl kernel's masked loads give zeros):
+# their probabilities are exact zeros either way, so their dS terms add nothing.
+@gluon.jit
+def _dq_ws_producer(k_desc, v_desc, k_smem, v_smem, ready, empty, desc_row, col, last, STAGES: gl.constexpr):
+    BLOCK_KV: gl.constexpr = k_desc.block_type.shape[0]
+    for blk in range(0, last + 1):
+        st = blk % STAGES
+        mbarrier.wait(empty.index(st), ((blk // STAGES) & 1) ^ 1)
+        bar = ready.index(st)
+        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [desc_row + blk * BLOCK_KV, col], bar, k_smem.index(st))
+        tma.async_copy_global_to_shared(v_desc, [desc_row + blk * BLOCK_KV, col], bar, v_smem.index(st))
+
+
+@gluon.jit
+def _dq_ws_ds(s, dp, blk, pos, row_lse, row_delta, qk_scale, full, O_L: gl.constexpr, DTYPE: gl.constexpr):
+    """_dq_ds of key block blk (unmasked before block `full`) as the A operand (DTYPE) of the dQ wgmma."""
+    BLOCK_KV: gl.constexpr = s.shape[1]
+    key_pos = blk * BLOCK_KV + gl.arange(0, BLOCK_KV, layout=gl.SliceLayout(0, s.type.layout))
+    if blk < full:
+        ds = _dq_ds(s, dp, key_pos, pos, row_lse, row_delta, qk_scale, False)
+    else:
+        ds = _dq_ds(s, dp, key_pos, pos, row_lse, row_delta, qk_scale, True)
+    return gl.convert_layout(ds.to(DTYPE), gl.DotOperandLayout(0, O_L, 2))
+
+
+@gluon.jit
+def _dq_ws_consumer(q_smem, do_smem, k_smem, v_smem, ready, empty, dq, lse, delta, q_pos, begin, n_queries, row0,
+                    kv_head, n_heads, qk_scale, scale, last, GROUP: gl.constexpr, STAGES: gl.constexpr):
+    """Rows row0 .. row0 + 63 of the program: dQ over blocks 0 .. their own last, in order (as
+    _bwd_dq_kernel's loops), then freeing the program's later blocks."""
+    ROWS: gl.constexpr = q_smem.shape[0]
+    D: gl.constexpr = q_smem.shape[1]
+    BLOCK_KV: gl.constexpr = k_smem.shape[1]
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_KV, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, S_L))
+    tok, head = _rows(rows, begin, n_queries, kv_head, GROUP)
+    idx = tok * n_heads + head
+    row_lse = gl.load(lse + idx)
+    row_delta = gl.load(delta + idx)
+    pos = gl.load(q_pos + tok)
+    full = (gl.min(pos, 0) + 1) // BLOCK_KV
+    mine = gl.max(pos, 0) // BLOCK_KV
+    n_mine = mine + 1  # the blocks this consumer computes: none where its rows lie past the sequence
+    if row0 >= n_queries * GROUP:
+        n_mine = 0
+    s0 = gl.zeros([ROWS, BLOCK_KV], gl.float32, S_L)
+    dq_acc = gl.zeros([ROWS, D], gl.float32, O_L)
+    if n_mine > 0:
+        # block blk's q.k and dO.v run while block blk - 1's dQ product does, and block blk's dS
+        # while that product finishes: block 0's products and dS first, the last block's dQ after
+        mbarrier.wait(ready.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
+        dp = warpgroup_mma(do_smem, v_smem.index(0).permute((1, 0)), s0, use_acc=False)
+        ds = _dq_ws_ds(s, dp, 0, pos, row_lse, row_delta, qk_scale, full, O_L, k_smem.dtype)
+        for blk in range(1, n_mine):
+            st = blk % STAGES
+            prev = (blk - 1) % STAGES
+            mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
+            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do_smem, v_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+            dq_acc = warpgroup_mma(ds, k_smem.index(prev), dq_acc, is_async=True)
+            s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))
+            ds_next = _dq_ws_ds(s, dp, blk, pos, row_lse, row_delta, qk_scale, full, O_L, k_smem.dtype)
+            dq_acc, ds = warpgroup_mma_wait(num_outstanding=0, deps=(dq_acc, ds))
+            mbarrier.arrive(empty.index(prev), count=1)
+            ds = ds_next
+        st = (n_mine - 1) % STAGES
+        dq_acc = warpgroup_mma(ds, k_smem.index(st), dq_acc)
+        mbarrier.arrive(empty.index(st), count=1)
+    for blk in range(n_mine, last + 1):  # the other consumer's blocks
+        st = blk % STAGES
+        mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
+        mbarrier.arrive(empty.index(st), count=1)
+    rows = gl.convert_layout(rows, gl.SliceLayout(1, O_L))
+    tok, head = _rows(rows, begin, n_queries, kv_head, GROUP)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
+    gl.store(dq + (tok * n_heads + head)[:, None] * D + cols[None, :], (dq_acc * scale).to(dq.dtype.element_ty),
+             mask=(rows < n_queries * GROUP)[:, None])
+
+
+@gluon.jit
+def _bwd_dq_ws_kernel(q, k, v, do, lse, delta, dq, q_begin, q_count, q_pos, page_table, stride_table, page_rows,
+                      head_rows, head_cols, stride_slot, kv_width, n_heads, qk_scale, scale, n_seqs,
+                      GROUP: gl.constexpr, D: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr):
+    """_bwd_dq_kernel over a linear K/V read through its _TmaView (a sequence's keys are consecutive
+    rows from its page's first, kv head h's at row offset h * head_rows, column h * head_cols), 128
+    rows a program, warp-specialised."""
+    rank, kv_head, seq = _ranked_program(gl.program_id(0), n_heads // GROUP, n_seqs)  # as _bwd_dq_kernel's
+    begin = gl.load(q_begin + seq)
+    n_queries = gl.load(q_count + seq)
+    tile = gl.cdiv(n_queries * GROUP, _WS_TILE) - 1 - rank  # rank 0: the sequence's latest queries
+    if tile < 0:
+        return
+    dtype: gl.constexpr = q.dtype.element_ty
+    LOAD_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    QS_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_WS_HALF, D], dtype)
+    KV_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_KV, D], dtype)
+    rows = tile * _WS_TILE + gl.arange(0, _WS_TILE, layout=gl.SliceLayout(1, LOAD_L))
+    tok, _ = _rows(rows, begin, n_queries, kv_head, GROUP)
+    hi = gl.max(gl.load(q_pos + tok), 0)
+    q0_smem = gl.allocate_shared_memory(dtype, [_WS_HALF, D], QS_L)
+    q1_smem = gl.allocate_shared_memory(dtype, [_WS_HALF, D], QS_L)
+    do0_smem = gl.allocate_shared_memory(dtype, [_WS_HALF, D], QS_L)
+    do1_smem = gl.allocate_shared_memory(dtype, [_WS_HALF, D], QS_L)
+    _load_rows_to_shared(q, tile * _WS_TILE, begin, n_queries, kv_head, n_heads, q0_smem, GROUP, LOAD_L)
+    _load_rows_to_shared(q, tile * _WS_TILE + _WS_HALF, begin, n_queries, kv_head, n_heads, q1_smem, GROUP, LOAD_L)
+    _load_rows_to_shared(do, tile * _WS_TILE, begin, n_queries, kv_head, n_heads, do0_smem, GROUP, LOAD_L)
+    _load_rows_to_shared(do, tile * _WS_TILE + _WS_HALF, begin, n_queries, kv_head, n_heads, do1_smem, GROUP, LOAD_L)
+    # the sequence's keys up to hi: TMA reads the rows past it as zeros
+    desc_row = gl.load(page_table + seq * stride_table) * page_rows + kv_head * head_rows
+    k_desc = tma.make_tensor_descriptor(k, [desc_row + hi + 1, kv_width], [stride_slot, 1], [BLOCK_KV, D], KV_L)
+    v_desc = tma.make_tensor_descriptor(v, [desc_row + hi + 1, kv_width], [stride_slot, 1], [BLOCK_KV, D], KV_L)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_KV, D], KV_L)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_KV, D], KV_L)
+    ready, empty = ring_barriers(STAGES)
+    fence_async_shared()  # the q and dO stores, before the wgmmas read them
+    last = hi // BLOCK_KV
+    gl.warp_specialize([
+        (_dq_ws_consumer, (q0_smem, do0_smem, k_smem, v_smem, ready, empty, dq, lse, delta, q_pos, begin, n_queries,
+                           tile * _WS_TILE, kv_head, n_heads, qk_scale, scale, last, GROUP, STAGES)),
+        (_dq_ws_consumer, (q1_smem, do1_smem, k_smem, v_smem, ready, empty, dq, lse, delta, q_pos, begin, n_queries,
+                           tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, scale, last, GROUP, STAGES)),
+        (_dq_ws_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, desc_row, kv_head * head_cols, last, STAGES)),
     ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
     invalidate_ring(ready, empty, STAGES)
 
@@ -1261,7 +1407,7 @@ def _descriptors(keys: _Keys, block: int) -> tuple[TensorDescriptor | None, Tens
 
 
 def _on_gluon(t: torch.Tensor) -> bool:
-    """Whether the Gluon kernels (_prefill_ws_kernel, _bwd_dkdv_ws_kernel) can run on t's device and
+    """Whether the Gluon kernels (_prefill_ws_kernel, _bwd_dkdv_ws_kernel, _bwd_dq_ws_kernel) can run on t's device and
     tiles: 16-bit on Hopper itself (their MMAs are wgmma), a head dim whose tiles fit shared memory
     (D <= 128), outside the interpreter. Each launcher adds what its TMA loads need."""
     return (not INTERPRETING and t.is_cuda and t.element_size() == 2
@@ -1342,6 +1488,17 @@ def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):
             D=d,
             BLOCK_Q=cfg["BLOCK_Q"], BLOCK_KV=cfg["BLOCK_KV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = TUNING["bwd_dq"]
+    # the Gluon form reads a linear K/V through TMA (its _TmaView) and runs the table's sums at 64-row tiles
+    view = (_tma_view(keys) if cfg.get("GLUON") and _on_gluon(q) and keys.page_size == _LINEAR_PAGE
+            and cfg["BLOCK_Q"] == _WS_HALF.value and grad.dtype == q.dtype else None)
+    if view is not None:
+        install_descriptor_allocator(q.device)  # the K/V descriptors are made on the device
+        _bwd_dq_ws_kernel[_ranked_grid(triton.cdiv(queries.max_count * group, _WS_TILE.value), keys, n_seqs)](
+            q, keys.k, keys.v, grad, lse, delta, dq, queries.begin, queries.count, queries.pos, keys.table,
+            keys.table.stride(0), view.page_rows, view.head_rows, view.head_cols, keys.stride_slot, view.width, h,
+            qk_scale, scale, n_seqs, GROUP=group, D=d, BLOCK_KV=cfg["BLOCK_KV"], STAGES=cfg["GLUON_STAGES"],
+            num_warps=4)
+        return dq, dk, dv
     descs = _descriptors(keys, cfg["BLOCK_KV"]) if cfg.get("TMA") else (None, None)
     _bwd_dq_kernel[_ranked_grid(triton.cdiv(queries.max_count * group, cfg["BLOCK_Q"]), keys, n_seqs)](
         q, keys.k, keys.v, grad, lse, delta, dq, *seq_args, h, qk_scale, scale, n_seqs, *descs, GROUP=group, D=d,
