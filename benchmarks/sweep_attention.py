@@ -57,7 +57,8 @@ CANDIDATES = {
                                        (64, 32, 4, 4), (64, 32, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3))]
     # the warp-specialised Gluon dK/dV (128 keys, two consumer warpgroups of 64, 64-row query tiles
     # through TMA): the table's sums at BLOCK_Q 64
-    + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)],
+    # GLUON_ASYNC: dV's and dP's products issued together
+    + [dict(GLUON=True, GLUON_STAGES=s, GLUON_ASYNC=a) for s in (2, 3) for a in (False, True)],
     # TMA: the blocks before a tile's last through descriptors
     "bwd_dq": [dict(BLOCK_Q=bq, BLOCK_KV=kv, num_warps=w, num_stages=st, TMA=tma, GLUON=False)
                for bq, kv, w, st, tma in ((128, 64, 8, 3, False), (64, 32, 4, 4, False), (64, 32, 4, 4, True),

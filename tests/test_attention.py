@@ -360,7 +360,8 @@ dkdv = compile_sm90(A._bwd_dkdv_kernel, lambda n: "*i32" if n == "kv_count" else
                     dict(GROUP=4, D=128, BLOCK_Q=cfg["BLOCK_Q"], BLOCK_KV=cfg["BLOCK_KV"]), cfg["num_warps"],
                     cfg["num_stages"])
 dkdv_gluon = compile_sm90(A._bwd_dkdv_ws_kernel, lambda n: "*i32" if n == "kv_count" else "i32" if n in WS_INTS
-                          | {"stride_head"} else bwd_types(n), dict(GROUP=4, D=128, STAGES=cfg["GLUON_STAGES"]),
+                          | {"stride_head"} else bwd_types(n), dict(GROUP=4, D=128, STAGES=cfg["GLUON_STAGES"],
+                          ASYNC=cfg.get("GLUON_ASYNC", False)),
                           4, 1)
 cfg = A.TUNING["bwd_dq"]
 dq = compile_sm90(A._bwd_dq_kernel, lambda n: f"tensordesc<bf16[{cfg['BLOCK_KV']}, 128]>" if n.endswith("_desc")

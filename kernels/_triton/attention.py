@@ -132,7 +132,7 @@ TUNING = {
     # GLUON (16-bit, Hopper, BLOCK_Q 64, a linear K/V): the same sums as the warp-specialised
     # _bwd_dq_ws_kernel (two consumer warpgroups of 64 rows sharing each K/V block, a producer warp
     # bringing the blocks through TMA into a ring of GLUON_STAGES)
-    "bwd_dq": dict(BLOCK_Q=64, BLOCK_KV=32, num_warps=4, num_stages=4, TMA=True, GLUON=True, GLUON_STAGES=4),
+    "bwd_dq": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=4, num_stages=4, TMA=True, GLUON=True, GLUON_STAGES=4),
     # rows per program of the backward's delta (row sums of out * grad): a streaming read
     "bwd_delta": dict(BLOCK_R=32, num_warps=4),
 }
@@ -743,20 +743,21 @@ def _dkdv_tile(q, do, lse, delta, q_pos, kb, vb, key_pos, row0, q_first, n_queri
     cols = tl.arange(0, D)[None, :]
     q_tile = tl.load(q + idx[:, None] * D + cols)
     do_tile = tl.load(do + idx[:, None] * D + cols)
-    p_t = _dkdv_probs(tl.dot(kb, tl.trans(q_tile), input_precision="ieee"), key_pos, q_pos, tok, rows, lse, idx,
-                      n_queries * GROUP, qk_scale, MASKED)
+    p_t = _dkdv_probs(tl.dot(kb, tl.trans(q_tile), input_precision="ieee"), key_pos, q_pos, tok, rows,
+                      tl.load(lse + idx), n_queries * GROUP, qk_scale, MASKED)
     dv_acc = tl.dot(p_t.to(do_tile.dtype), do_tile, dv_acc, input_precision="ieee")
     dp_t = tl.dot(vb, tl.trans(do_tile), input_precision="ieee")
-    ds_t = _dkdv_ds(p_t, dp_t, delta, idx)
+    ds_t = _dkdv_ds(p_t, dp_t, tl.load(delta + idx))
     dk_acc = tl.dot(ds_t.to(q_tile.dtype), q_tile, dk_acc, input_precision="ieee")
     return dk_acc, dv_acc
 
 
 @triton.jit
-def _dkdv_probs(s_t, key_pos, q_pos, tok, rows, lse, idx, n_rows, qk_scale, MASKED: tl.constexpr):
-    """P^T of a (key block, query tile) from its k.q products s_t [keys, rows] (also the Gluon
-    dK/dV's): masked, keys after a row's position and rows past the sequence are exact zeros."""
-    s_t = s_t * qk_scale - tl.load(lse + idx)[None, :]
+def _dkdv_probs(s_t, key_pos, q_pos, tok, rows, row_lse, n_rows, qk_scale, MASKED: tl.constexpr):
+    """P^T of a (key block, query tile) from its k.q products s_t [keys, rows] and the rows' lse
+    (also the Gluon dK/dV's): masked, keys after a row's position and rows past the sequence are
+    exact zeros."""
+    s_t = s_t * qk_scale - row_lse[None, :]
     if MASKED:
         seen = (key_pos[:, None] <= tl.load(q_pos + tok)[None, :]) & (rows < n_rows)[None, :]
         s_t = tl.where(seen, s_t, float("-inf"))
@@ -764,9 +765,9 @@ def _dkdv_probs(s_t, key_pos, q_pos, tok, rows, lse, idx, n_rows, qk_scale, MASK
 
 
 @triton.jit
-def _dkdv_ds(p_t, dp_t, delta, idx):
+def _dkdv_ds(p_t, dp_t, row_delta):
     """dS^T = P^T * (dP^T - delta) (also the Gluon dK/dV's)."""
-    return p_t * (dp_t - tl.load(delta + idx)[None, :])
+    return p_t * (dp_t - row_delta[None, :])
 
 
 @triton.jit
@@ -928,9 +929,11 @@ def _dkdv_ws_producer(q_desc, do_desc, q_smem, do_smem, ready, empty, q_first, k
 @gluon.jit
 def _dkdv_ws_consumer(k_smem, v_smem, q_smem, do_smem, ready, empty, dk, dv, lse, delta, q_pos, key0, n_keys,
                       key_offsets_row, stride_slot, q_first, n_queries, kv_head, n_heads, qk_scale, scale, first, full,
-                      whole, n_rows, GROUP: gl.constexpr, STAGES: gl.constexpr):
+                      whole, n_rows, GROUP: gl.constexpr, STAGES: gl.constexpr, ASYNC: gl.constexpr):
     """Keys key0 .. key0 + 63 of the program: every query tile from `first` on, in increasing order,
-    masked in [first, full) and [whole, n_rows) as _bwd_dkdv_kernel's loops."""
+    masked in [first, full) and [whole, n_rows) as _bwd_dkdv_kernel's loops. A tile's lse and delta
+    are loaded before its first product, which hides their latency. ASYNC: dV's product and dP's
+    run together (the same products)."""
     KEYS: gl.constexpr = k_smem.shape[0]
     D: gl.constexpr = k_smem.shape[1]
     ROWS: gl.constexpr = q_smem.shape[1] * q_smem.shape[2]
@@ -949,15 +952,22 @@ def _dkdv_ws_consumer(k_smem, v_smem, q_smem, do_smem, ready, empty, dk, dv, lse
         rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, S_L))
         tok, head = _rows(rows, q_first, n_queries, kv_head, GROUP)
         idx = tok * n_heads + head
+        row_lse = gl.load(lse + idx)
+        row_delta = gl.load(delta + idx)
         s_t = warpgroup_mma(k_smem, q_tile.permute((1, 0)), s0, use_acc=False)
         if (row0 < full) | (row0 >= whole):
-            p_t = _dkdv_probs(s_t, key_pos, q_pos, tok, rows, lse, idx, n_rows, qk_scale, True)
+            p_t = _dkdv_probs(s_t, key_pos, q_pos, tok, rows, row_lse, n_rows, qk_scale, True)
         else:
-            p_t = _dkdv_probs(s_t, key_pos, q_pos, tok, rows, lse, idx, n_rows, qk_scale, False)
-        dv_acc = warpgroup_mma(gl.convert_layout(p_t.to(do_tile.dtype), gl.DotOperandLayout(0, O_L, 2)), do_tile,
-                               dv_acc)
-        dp_t = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s0, use_acc=False)
-        ds_t = _dkdv_ds(p_t, dp_t, delta, idx)
+            p_t = _dkdv_probs(s_t, key_pos, q_pos, tok, rows, row_lse, n_rows, qk_scale, False)
+        p_op = gl.convert_layout(p_t.to(do_tile.dtype), gl.DotOperandLayout(0, O_L, 2))
+        if ASYNC:
+            dv_acc = warpgroup_mma(p_op, do_tile, dv_acc, is_async=True)
+            dp_t = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s0, use_acc=False, is_async=True)
+            dv_acc, dp_t, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_acc, dp_t, p_op))
+        else:
+            dv_acc = warpgroup_mma(p_op, do_tile, dv_acc)
+            dp_t = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s0, use_acc=False)
+        ds_t = _dkdv_ds(p_t, dp_t, row_delta)
         dk_acc = warpgroup_mma(gl.convert_layout(ds_t.to(q_tile.dtype), gl.DotOperandLayout(0, O_L, 2)), q_tile,
                                dk_acc)
         mbarrier.arrive(empty.index(st), count=1)
@@ -973,7 +983,7 @@ def _dkdv_ws_consumer(k_smem, v_smem, q_smem, do_smem, ready, empty, dk, dv, lse
 @gluon.jit
 def _bwd_dkdv_ws_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos, page_table, stride_table,
                         stride_page, stride_head, stride_slot, kv_count, n_heads, qk_scale, scale, n_seqs,
-                        GROUP: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+                        GROUP: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ASYNC: gl.constexpr):
     """_bwd_dkdv_kernel over a linear K/V at 128 keys and 64-row query tiles, warp-specialised."""
     block, kv_head, seq = _ranked_program(gl.program_id(0), n_heads // GROUP, n_seqs)  # as _bwd_dkdv_kernel's
     lo = block * _WS_TILE
@@ -1018,10 +1028,10 @@ def _bwd_dkdv_ws_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos
     gl.warp_specialize([
         (_dkdv_ws_consumer, (k0_smem, v0_smem, q_smem, do_smem, ready, empty, dk, dv, lse, delta, q_pos, lo, n_keys,
                              key_row, stride_slot, q_first, n_queries, kv_head, n_heads, qk_scale, scale, first, full,
-                             whole, n_rows, GROUP, STAGES)),
+                             whole, n_rows, GROUP, STAGES, ASYNC)),
         (_dkdv_ws_consumer, (k1_smem, v1_smem, q_smem, do_smem, ready, empty, dk, dv, lse, delta, q_pos,
                              lo + _WS_HALF, n_keys, key_row, stride_slot, q_first, n_queries, kv_head, n_heads,
-                             qk_scale, scale, first, full, whole, n_rows, GROUP, STAGES)),
+                             qk_scale, scale, first, full, whole, n_rows, GROUP, STAGES, ASYNC)),
         (_dkdv_ws_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, q_first, kv_head, first, n_rows, GROUP,
                              STAGES)),
     ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
@@ -1481,7 +1491,7 @@ def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):
         _bwd_dkdv_ws_kernel[_ranked_grid(triton.cdiv(keys.max_count, _WS_TILE.value), keys, n_seqs)](
             q, keys.k, keys.v, grad, lse, delta, dk, dv, *seq_args[:5], keys.stride_page, keys.stride_head,
             keys.stride_slot, keys.count, h, qk_scale, scale, n_seqs, GROUP=group, D=d, STAGES=cfg["GLUON_STAGES"],
-            num_warps=4)
+            ASYNC=cfg.get("GLUON_ASYNC", False), num_warps=4)
     else:
         _bwd_dkdv_kernel[_ranked_grid(triton.cdiv(keys.max_count, cfg["BLOCK_KV"]), keys, n_seqs)](
             q, keys.k, keys.v, grad, lse, delta, dk, dv, *seq_args, keys.count, h, qk_scale, scale, n_seqs, GROUP=group,
