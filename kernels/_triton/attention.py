@@ -104,9 +104,11 @@ TUNING = {
     # inside a consumer 1.66 / 1.68, and bench_attention.py's training table, the two alternating on one
     # H200 (A/B/A/B): 4 x 4,096 fwd+bwd 6.73 / 6.69 ms with it, 7.04 / 7.09 without (1 x 4,096 2.93 /
     # 2.73 and 2.82 / 3.03): the sweeps alone do not separate the two, the A/B does. The consumers
-    # taking turns to issue their MMAs (FA3's ping-pong): 1.65, not kept
+    # taking turns to issue their MMAs (FA3's ping-pong): 1.65, not kept. Timed by CUDA graphs (the
+    # fifteenth session's sweeps, two calls, bits checked): 4 stages with SPLIT_MASK 1,410 / 1,409 us,
+    # 3 stages 1,474 / 1,467 (without SPLIT_MASK 1,493 / 1,480), 4 without 1,506 / 1,486
     "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True,
-                           GLUON_STAGES=3, SPLIT_MASK=True),
+                           GLUON_STAGES=4, SPLIT_MASK=True),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
     # group's query heads; the last of them to finish merges the chunk states, or with P = 1 the one
     # program merges in registers. SWAP: the dots run with their operands swapped, the heads as the
@@ -124,14 +126,19 @@ TUNING = {
     # keys, two consumer warpgroups of 64, a producer warp bringing the query tiles through TMA into a
     # ring of GLUON_STAGES): whole backward 4.30-4.40 ms at 2 stages, 4.48-4.60 at 3, against 4.60-4.61
     # for the tl kernel (two calls); 1.64 vs 1.67 ms at 1 x 4,096. dP's MMA issued beside P's
-    # exponentials read 4.71: not kept
+    # exponentials read 4.71: not kept. GLUON_ASYNC (dV's product and dP's issued together): the whole
+    # backward by CUDA graphs 3,648 / 3,638 us at 2 / 3 stages against 3,716 / 3,658 without (one
+    # call, within its spread; its bits against the tl kernel not yet checked on the GPU: left off)
     "bwd_dkdv": dict(BLOCK_Q=64, BLOCK_KV=128, num_warps=8, num_stages=3, GLUON=True, GLUON_STAGES=2),
     # one program per (sequence, kv head, BLOCK_Q rows), looping over BLOCK_KV-key blocks; TMA: over
     # a linear K/V (training's is), the blocks before the tile's last through descriptors (170
     # registers). The same sweep: 5.05 ms with TMA against 5.69 without, 5.86 at the former 128 x 64
     # GLUON (16-bit, Hopper, BLOCK_Q 64, a linear K/V): the same sums as the warp-specialised
     # _bwd_dq_ws_kernel (two consumer warpgroups of 64 rows sharing each K/V block, a producer warp
-    # bringing the blocks through TMA into a ring of GLUON_STAGES)
+    # bringing the blocks through TMA into a ring of GLUON_STAGES). The whole backward, CUDA graphs,
+    # 4 x 4,096 (sweep_attention.py, two calls): 3,745 / 3,690 us at 64-key blocks and 4 stages
+    # (3 stages 3,768 / 3,686), against 3,957 / 3,834 at 32 keys and 4,108 for the tl kernel's
+    # 64 x 32 at 4 stages; the tl kernel at 64 x 64 took 4,244
     "bwd_dq": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=4, num_stages=4, TMA=True, GLUON=True, GLUON_STAGES=4),
     # rows per program of the backward's delta (row sums of out * grad): a streaming read
     "bwd_delta": dict(BLOCK_R=32, num_warps=4),
