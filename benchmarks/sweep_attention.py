@@ -37,9 +37,8 @@ PREFILL = [4096]
 CANDIDATES = {
     "prefill": [dict(GLUON=False, num_stages=s, PREFETCH=p) for p, stages in ((False, (2, 3, 4)), (True, (1, 3)))
                 for s in stages]
-    # the warp-specialised Gluon kernel over the pages (boxes of a page), a ring of GLUON_STAGES blocks;
-    # SPLIT_MASK: the blocks every row of a consumer sees whole unmasked
-    + [dict(GLUON=True, GLUON_STAGES=s, SPLIT_MASK=m) for s in (2, 3, 4) for m in (False, True)],
+    # the warp-specialised Gluon kernel over the pages (boxes of a page), a ring of GLUON_STAGES blocks
+    + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)],
     # (swapped tiles with num_stages=1 faulted on the H200, Triton 3.6: the launcher refuses them)
     # TMA: the blocks before a tile's last through descriptors, pipelined over num_stages
     # (GLUON=False: the tl kernel, whose schedules these are)
@@ -49,7 +48,7 @@ CANDIDATES = {
     # 64-row tiles on one warpgroup: two programs an SM, each one's softmax beside the other's MMAs
     + [dict(GLUON=False, TMA=True, PREFETCH=False, BLOCK_Q=64, num_warps=4, num_stages=s) for s in (2, 3, 4)]
     # the warp-specialised Gluon kernel: a producer warp, two consumer warpgroups, a ring of GLUON_STAGES
-    + [dict(GLUON=True, GLUON_STAGES=s, SPLIT_MASK=m) for s in (2, 3, 4) for m in (False, True)],
+    + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)],
     # one program per BLOCK_KV keys looping over BLOCK_Q-row query tiles / one per BLOCK_Q rows over
     # BLOCK_KV-key blocks
     "bwd_dkdv": [dict(BLOCK_KV=kv, BLOCK_Q=bq, num_warps=w, num_stages=st, GLUON=False)
@@ -57,8 +56,7 @@ CANDIDATES = {
                                        (64, 32, 4, 4), (64, 32, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3))]
     # the warp-specialised Gluon dK/dV (128 keys, two consumer warpgroups of 64, 64-row query tiles
     # through TMA): the table's sums at BLOCK_Q 64
-    # GLUON_ASYNC: dV's and dP's products issued together
-    + [dict(GLUON=True, GLUON_STAGES=s, GLUON_ASYNC=a) for s in (2, 3) for a in (False, True)],
+    + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)],
     # TMA: the blocks before a tile's last through descriptors
     "bwd_dq": [dict(BLOCK_Q=bq, BLOCK_KV=kv, num_warps=w, num_stages=st, TMA=tma, GLUON=False)
                for bq, kv, w, st, tma in ((128, 64, 8, 3, False), (64, 32, 4, 4, False), (64, 32, 4, 4, True),

@@ -346,22 +346,19 @@ ws_desc = lambda box: f"tensordesc<bf16[{box}, 128],{gluon_layout([box, 128])!r}
 # training's linear K/V: no host descriptor (k_all, v_all None)
 gluon = compile_sm90(A._prefill_ws_kernel, lambda n: "i32" if n in WS_INTS else types(n),
                      dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK, k_all=None,
-                          v_all=None, STAGES=cfg["GLUON_STAGES"], FROM_LENS=False,
-                          SPLIT_MASK=cfg.get("SPLIT_MASK", False)), 4, 1)
+                          v_all=None, STAGES=cfg["GLUON_STAGES"], FROM_LENS=False), 4, 1)
 # vLLM's prefill: 16-key pages, positions from the sequence lengths
 cfg = A.TUNING["prefill"]
 gluon_paged = compile_sm90(A._prefill_ws_kernel, lambda n: ws_desc(16) if n.endswith("_all") else "i32"
                            if n in WS_INTS else types(n), dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK,
-                           KV_CHUNK=A.KV_CHUNK, BOX=16, STAGES=cfg["GLUON_STAGES"], FROM_LENS=True,
-                           SPLIT_MASK=cfg.get("SPLIT_MASK", False)), 4, 1)
+                           KV_CHUNK=A.KV_CHUNK, BOX=16, STAGES=cfg["GLUON_STAGES"], FROM_LENS=True), 4, 1)
 bwd_types = lambda n: "fp32" if n in ("qk_scale", "scale") else "*fp32" if n == "delta" else types(n)
 cfg = A.TUNING["bwd_dkdv"]
 dkdv = compile_sm90(A._bwd_dkdv_kernel, lambda n: "*i32" if n == "kv_count" else bwd_types(n),
                     dict(GROUP=4, D=128, BLOCK_Q=cfg["BLOCK_Q"], BLOCK_KV=cfg["BLOCK_KV"]), cfg["num_warps"],
                     cfg["num_stages"])
 dkdv_gluon = compile_sm90(A._bwd_dkdv_ws_kernel, lambda n: "*i32" if n == "kv_count" else "i32" if n in WS_INTS
-                          | {"stride_head"} else bwd_types(n), dict(GROUP=4, D=128, STAGES=cfg["GLUON_STAGES"],
-                          ASYNC=cfg.get("GLUON_ASYNC", False)),
+                          | {"stride_head"} else bwd_types(n), dict(GROUP=4, D=128, STAGES=cfg["GLUON_STAGES"]),
                           4, 1)
 cfg = A.TUNING["bwd_dq"]
 dq = compile_sm90(A._bwd_dq_kernel, lambda n: f"tensordesc<bf16[{cfg['BLOCK_KV']}, 128]>" if n.endswith("_desc")

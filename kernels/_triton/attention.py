@@ -88,10 +88,7 @@ TUNING = {
     # 4k prompt (H200, benchmarks/sweep_attention.py, RESULTS.md)
     # GLUON (16-bit, Hopper): _prefill_ws_kernel as for "prefill_linear" below, each 64-key block as
     # TMA boxes of one page (four at vLLM's 16-key pages), a ring of GLUON_STAGES blocks
-    # SPLIT_MASK (GLUON): a consumer's blocks that all its rows see whole skip the mask (its select
-    # and compares: _ws_softmax), the same bits
-    "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True, GLUON=True, GLUON_STAGES=3,
-                    SPLIT_MASK=True),
+    "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True, GLUON=True, GLUON_STAGES=3),
     # the same over a linear K/V (training's packed or padded one): TMA (on GPUs that have it) brings
     # every block but a tile's last through a descriptor, pipelined by Triton over num_stages (242
     # registers, no spill). sweep_attention.py, H200, 4 x 4,096 packed tokens, two calls: 2.09-2.18 ms
@@ -105,10 +102,11 @@ TUNING = {
     # H200 (A/B/A/B): 4 x 4,096 fwd+bwd 6.73 / 6.69 ms with it, 7.04 / 7.09 without (1 x 4,096 2.93 /
     # 2.73 and 2.82 / 3.03): the sweeps alone do not separate the two, the A/B does. The consumers
     # taking turns to issue their MMAs (FA3's ping-pong): 1.65, not kept. Timed by CUDA graphs (the
-    # fifteenth session's sweeps, two calls, bits checked): 4 stages with SPLIT_MASK 1,410 / 1,409 us,
-    # 3 stages 1,474 / 1,467 (without SPLIT_MASK 1,493 / 1,480), 4 without 1,506 / 1,486
+    # fifteenth session's sweeps, two calls, bits checked): 4 stages 1,410 / 1,409 us, 3 stages 1,474 /
+    # 1,467; with every block masked (before _ws_softmax skipped the mask of blocks a consumer's rows
+    # see whole) 1,506 / 1,486 and 1,493 / 1,480
     "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True,
-                           GLUON_STAGES=4, SPLIT_MASK=True),
+                           GLUON_STAGES=4),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
     # group's query heads; the last of them to finish merges the chunk states, or with P = 1 the one
     # program merges in registers. SWAP: the dots run with their operands swapped, the heads as the
@@ -126,9 +124,9 @@ TUNING = {
     # keys, two consumer warpgroups of 64, a producer warp bringing the query tiles through TMA into a
     # ring of GLUON_STAGES): whole backward 4.30-4.40 ms at 2 stages, 4.48-4.60 at 3, against 4.60-4.61
     # for the tl kernel (two calls); 1.64 vs 1.67 ms at 1 x 4,096. dP's MMA issued beside P's
-    # exponentials read 4.71: not kept. GLUON_ASYNC (dV's product and dP's issued together): the whole
-    # backward by CUDA graphs 3,648 / 3,638 us at 2 / 3 stages against 3,716 / 3,658 without (one
-    # call, within its spread; its bits against the tl kernel not yet checked on the GPU: left off)
+    # exponentials read 4.71: not kept; dV's product and dP's issued together (the fifteenth session,
+    # whole backward by CUDA graphs, one call): 3,648 / 3,638 us at 2 / 3 stages against 3,716 /
+    # 3,658, within the call's spread: not kept
     "bwd_dkdv": dict(BLOCK_Q=64, BLOCK_KV=128, num_warps=8, num_stages=3, GLUON=True, GLUON_STAGES=2),
     # one program per (sequence, kv head, BLOCK_Q rows), looping over BLOCK_KV-key blocks; TMA: over
     # a linear K/V (training's is), the blocks before the tile's last through descriptors (170
@@ -590,18 +588,15 @@ def _mul_rn(x, c):
 
 
 @gluon.jit
-def _ws_softmax(s, blk, pos, m, qk_scale, n_full, SPLIT_MASK: gl.constexpr):
-    """_block_softmax of block blk for a consumer's rows (positions pos). SPLIT_MASK: a block that
-    every row sees whole (blk < n_full) skips the mask and its select: its products are rounded by
-    mul.rn, as the where rounds them in _block_softmax (no fma contraction either way), so every
-    bit is the masked expression's."""
+def _ws_softmax(s, blk, pos, m, qk_scale, n_full):
+    """_block_softmax of block blk for a consumer's rows (positions pos). A block that every row
+    sees whole (blk < n_full) skips the mask (its compares and selects): its products are rounded by
+    mul.rn, as the where rounds them in _block_softmax (no fma contraction either way), so every bit
+    is the masked expression's."""
     KV_BLOCK: gl.constexpr = s.shape[1]
     key_pos = blk * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, s.type.layout))
-    if SPLIT_MASK:
-        if blk < n_full:
-            m_new, alpha, p = _scaled_softmax(_mul_rn(s, qk_scale), m, False)
-        else:
-            m_new, alpha, p = _block_softmax(s, key_pos, pos, m, qk_scale, False)
+    if blk < n_full:
+        m_new, alpha, p = _scaled_softmax(_mul_rn(s, qk_scale), m, False)
     else:
         m_new, alpha, p = _block_softmax(s, key_pos, pos, m, qk_scale, False)
     return m_new, alpha, p
@@ -610,7 +605,7 @@ def _ws_softmax(s, blk, pos, m, qk_scale, n_full, SPLIT_MASK: gl.constexpr):
 @gluon.jit
 def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq, row0,
                  kv_head, n_heads, qk_scale, last, GROUP: gl.constexpr, KV_CHUNK: gl.constexpr, STAGES: gl.constexpr,
-                 FROM_LENS: gl.constexpr, SPLIT_MASK: gl.constexpr):
+                 FROM_LENS: gl.constexpr):
     """Rows row0 .. row0 + 63 of the tile: every block folded into the chunk state, chunk states
     merged into the running state at each chunk's last block (or the tile's last), as _row_state."""
     ROWS: gl.constexpr = q_smem.shape[0]
@@ -639,7 +634,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
     # block's P@V and merge after
     mbarrier.wait(ready.index(0), 0)
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
-    m_c, alpha, p = _ws_softmax(s, 0, pos, m_c, qk_scale, n_full, SPLIT_MASK)
+    m_c, alpha, p = _ws_softmax(s, 0, pos, m_c, qk_scale, n_full)
     p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
     p_o = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, O_L, 2))
     for blk in range(1, last + 1):
@@ -653,7 +648,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
         m_done = m_c  # block blk - 1's chunk max
         if blk % (KV_CHUNK // KV_BLOCK) == 0:  # block blk starts a chunk: from the empty state
             m_c = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
-        m_c, alpha, p = _ws_softmax(s, blk, pos, m_c, qk_scale, n_full, SPLIT_MASK)
+        m_c, alpha, p = _ws_softmax(s, blk, pos, m_c, qk_scale, n_full)
         l_c, acc_c, p_l, p_o = warpgroup_mma_wait(num_outstanding=0, deps=(l_c, acc_c, p_l, p_o))
         mbarrier.arrive(empty.index(prev), count=1)
         p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
@@ -681,7 +676,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
 def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stride_table, page_size, page_rows,
                        head_rows, head_cols, stride_slot, kv_width, n_heads, qk_scale, min_queries, n_seqs, k_all, v_all,
                        GROUP: gl.constexpr, D: gl.constexpr, KV_BLOCK: gl.constexpr, KV_CHUNK: gl.constexpr,
-                       BOX: gl.constexpr, STAGES: gl.constexpr, FROM_LENS: gl.constexpr, SPLIT_MASK: gl.constexpr):
+                       BOX: gl.constexpr, STAGES: gl.constexpr, FROM_LENS: gl.constexpr):
     """_prefill_kernel, warp-specialised: a program per (128-row tile, kv head, sequence), ranked as
     _prefill_kernel's. K/V are read as a [rows, kv_width] matrix of row pitch stride_slot: the key
     in slot s of page p of kv head h is row p * page_rows + h * head_rows + s, at column h *
@@ -725,11 +720,10 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
         k_src, v_src = k_all, v_all
     gl.warp_specialize([
         (_ws_consumer, (q0_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
-                        tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, FROM_LENS,
-                        SPLIT_MASK)),
+                        tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, FROM_LENS)),
         (_ws_consumer, (q1_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
                         tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES,
-                        FROM_LENS, SPLIT_MASK)),
+                        FROM_LENS)),
         (_ws_producer, (k_src, v_src, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
                         head_row, kv_head * head_cols, hi, row_hi, last, STAGES)),
     ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
@@ -936,11 +930,10 @@ def _dkdv_ws_producer(q_desc, do_desc, q_smem, do_smem, ready, empty, q_first, k
 @gluon.jit
 def _dkdv_ws_consumer(k_smem, v_smem, q_smem, do_smem, ready, empty, dk, dv, lse, delta, q_pos, key0, n_keys,
                       key_offsets_row, stride_slot, q_first, n_queries, kv_head, n_heads, qk_scale, scale, first, full,
-                      whole, n_rows, GROUP: gl.constexpr, STAGES: gl.constexpr, ASYNC: gl.constexpr):
+                      whole, n_rows, GROUP: gl.constexpr, STAGES: gl.constexpr):
     """Keys key0 .. key0 + 63 of the program: every query tile from `first` on, in increasing order,
     masked in [first, full) and [whole, n_rows) as _bwd_dkdv_kernel's loops. A tile's lse and delta
-    are loaded before its first product, which hides their latency. ASYNC: dV's product and dP's
-    run together (the same products)."""
+    are loaded before its first product, which hides their latency."""
     KEYS: gl.constexpr = k_smem.shape[0]
     D: gl.constexpr = k_smem.shape[1]
     ROWS: gl.constexpr = q_smem.shape[1] * q_smem.shape[2]
@@ -966,14 +959,9 @@ def _dkdv_ws_consumer(k_smem, v_smem, q_smem, do_smem, ready, empty, dk, dv, lse
             p_t = _dkdv_probs(s_t, key_pos, q_pos, tok, rows, row_lse, n_rows, qk_scale, True)
         else:
             p_t = _dkdv_probs(s_t, key_pos, q_pos, tok, rows, row_lse, n_rows, qk_scale, False)
-        p_op = gl.convert_layout(p_t.to(do_tile.dtype), gl.DotOperandLayout(0, O_L, 2))
-        if ASYNC:
-            dv_acc = warpgroup_mma(p_op, do_tile, dv_acc, is_async=True)
-            dp_t = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s0, use_acc=False, is_async=True)
-            dv_acc, dp_t, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_acc, dp_t, p_op))
-        else:
-            dv_acc = warpgroup_mma(p_op, do_tile, dv_acc)
-            dp_t = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s0, use_acc=False)
+        dv_acc = warpgroup_mma(gl.convert_layout(p_t.to(do_tile.dtype), gl.DotOperandLayout(0, O_L, 2)), do_tile,
+                               dv_acc)
+        dp_t = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s0, use_acc=False)
         ds_t = _dkdv_ds(p_t, dp_t, row_delta)
         dk_acc = warpgroup_mma(gl.convert_layout(ds_t.to(q_tile.dtype), gl.DotOperandLayout(0, O_L, 2)), q_tile,
                                dk_acc)
@@ -990,7 +978,7 @@ def _dkdv_ws_consumer(k_smem, v_smem, q_smem, do_smem, ready, empty, dk, dv, lse
 @gluon.jit
 def _bwd_dkdv_ws_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos, page_table, stride_table,
                         stride_page, stride_head, stride_slot, kv_count, n_heads, qk_scale, scale, n_seqs,
-                        GROUP: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ASYNC: gl.constexpr):
+                        GROUP: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     """_bwd_dkdv_kernel over a linear K/V at 128 keys and 64-row query tiles, warp-specialised."""
     block, kv_head, seq = _ranked_program(gl.program_id(0), n_heads // GROUP, n_seqs)  # as _bwd_dkdv_kernel's
     lo = block * _WS_TILE
@@ -1035,10 +1023,10 @@ def _bwd_dkdv_ws_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos
     gl.warp_specialize([
         (_dkdv_ws_consumer, (k0_smem, v0_smem, q_smem, do_smem, ready, empty, dk, dv, lse, delta, q_pos, lo, n_keys,
                              key_row, stride_slot, q_first, n_queries, kv_head, n_heads, qk_scale, scale, first, full,
-                             whole, n_rows, GROUP, STAGES, ASYNC)),
+                             whole, n_rows, GROUP, STAGES)),
         (_dkdv_ws_consumer, (k1_smem, v1_smem, q_smem, do_smem, ready, empty, dk, dv, lse, delta, q_pos,
                              lo + _WS_HALF, n_keys, key_row, stride_slot, q_first, n_queries, kv_head, n_heads,
-                             qk_scale, scale, first, full, whole, n_rows, GROUP, STAGES, ASYNC)),
+                             qk_scale, scale, first, full, whole, n_rows, GROUP, STAGES)),
         (_dkdv_ws_producer, (q_desc, do_desc, q_smem, do_smem, ready, empty, q_first, kv_head, first, n_rows, GROUP,
                              STAGES)),
     ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
@@ -1402,7 +1390,7 @@ def _prefill_ws(queries: _Queries, keys: _Keys, view: _TmaView, out, lse, group:
         q, keys.k, keys.v, out, lse, *_query_args(queries), keys.table, keys.table.stride(0), keys.page_size,
         view.page_rows, view.head_rows, view.head_cols, keys.stride_slot, view.width, q.shape[1], qk_scale,
         min_queries, n_seqs, k_all, v_all, GROUP=group, D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, BOX=view.box,
-        STAGES=cfg["GLUON_STAGES"], FROM_LENS=queries.from_lens, SPLIT_MASK=cfg.get("SPLIT_MASK", False), num_warps=4)
+        STAGES=cfg["GLUON_STAGES"], FROM_LENS=queries.from_lens, num_warps=4)
 
 
 def _tma_capable(t: torch.Tensor) -> bool:
@@ -1498,7 +1486,7 @@ def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):
         _bwd_dkdv_ws_kernel[_ranked_grid(triton.cdiv(keys.max_count, _WS_TILE.value), keys, n_seqs)](
             q, keys.k, keys.v, grad, lse, delta, dk, dv, *seq_args[:5], keys.stride_page, keys.stride_head,
             keys.stride_slot, keys.count, h, qk_scale, scale, n_seqs, GROUP=group, D=d, STAGES=cfg["GLUON_STAGES"],
-            ASYNC=cfg.get("GLUON_ASYNC", False), num_warps=4)
+            num_warps=4)
     else:
         _bwd_dkdv_kernel[_ranked_grid(triton.cdiv(keys.max_count, cfg["BLOCK_KV"]), keys, n_seqs)](
             q, keys.k, keys.v, grad, lse, delta, dk, dv, *seq_args, keys.count, h, qk_scale, scale, n_seqs, GROUP=group,
