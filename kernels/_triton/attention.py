@@ -1044,6 +1044,8 @@ def _bwd_dkdv_ws_kernel(q, k, v, do, lse, delta, dk, dv, q_begin, q_count, q_pos
 # their probabilities are exact zeros either way, so their dS terms add nothing.
 @gluon.jit
 def _dq_ws_producer(k_desc, v_desc, k_smem, v_smem, ready, empty, desc_row, col, last, STAGES: gl.constexpr):
+    """K/V blocks 0 .. last (rows desc_row + blk * BLOCK_KV of the descriptors) into the ring, in
+    order (a slot refilled once both consumers freed it)."""
     BLOCK_KV: gl.constexpr = k_desc.block_type.shape[0]
     for blk in range(0, last + 1):
         st = blk % STAGES
