@@ -192,6 +192,7 @@ def prefill_table() -> str:
         k_cache, v_cache, table = _paged_cache(1, tokens)
         seq_lens = torch.tensor([tokens], device="cuda", dtype=torch.int32)
         qsl = torch.tensor([0, tokens], device="cuda", dtype=torch.int32)
+
         def ours():
             K.paged_attention(q, k_cache, v_cache, table, seq_lens, qsl, SCALE, tokens, tokens)
 

@@ -393,9 +393,10 @@ def test_decode_and_prefill_multiply_with_wgmma():
     # ... also over vLLM's paged cache (16-key pages: four boxes a block; positions from the lengths)
     assert gluon_paged["mma"] == prefill["mma"] and gluon_paged["spill_bytes"] == 0, gluon_paged
     # dK/dV's Gluon form runs the tl kernel's instructions on 64 of its keys a consumer
-    # (its consumers hold two [64, D] fp32 accumulators and a tile's products: 152 bytes spilled, probed)
+    # (its consumers hold two [64, D] fp32 accumulators and a tile's products: 76 bytes spilled since a
+    # tile's lse and delta are loaded ahead, 152 before; probed)
     assert dkdv_gluon["mma"] == dkdv["mma"] and dkdv_gluon["warp_specialized"], (dkdv_gluon, dkdv)
-    assert dkdv_gluon["spill_bytes"] <= 256, dkdv_gluon
+    assert dkdv_gluon["spill_bytes"] <= 128, dkdv_gluon
     # dQ's Gluon form runs the tl kernel's instructions on 64 rows a consumer, without spilling
     assert dq_gluon["mma"] == dq["mma"] and dq_gluon["warp_specialized"] and dq_gluon["spill_bytes"] == 0, (dq_gluon,
                                                                                                         dq)
