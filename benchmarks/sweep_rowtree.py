@@ -1,7 +1,8 @@
 """Sweep of the K-chunk tree GEMM (kernels/_triton/splitk.py) on the GPU at hand: tile config x
 programs per tile (split 1: one program holds a tile's whole tree in registers, one loop over every
-chunk's steps; split > 1: subtrees, one loop per chunk; warp_specialize: the Gluon tree of
-splitk_ws.py, split 1), bf16, vs cuBLAS and vs the plain `linear` kernel.
+chunk's steps; split > 1: subtrees, one loop per chunk; gluon: the warp-specialised tree of
+splitk_ws.py, split 1, its consumers' wgmmas waited step by step or left in flight),
+bf16, vs cuBLAS and vs the plain `linear` kernel.
 
     python benchmarks/sweep_rowtree.py [OUT.md]                      # the row-parallel GEMM as it runs:
                                                                      # o_proj / down_proj, 8 chunks
@@ -37,15 +38,26 @@ SPLIT_CONFIGS = [G(64, 128, 8, 4, 4), G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4)
                  # 128 or 256 rows of x on the N side: M = 128 and 256 (still unswapped, 0.68-0.86x)
                  G(128, 64, 1, 4, 4, swap_ab=True), G(256, 64, 1, 4, 3, swap_ab=True)]
 SPLITS = [None, 2, 4, 8]  # None: split_for's choice; splits above the chunk count are skipped
+
+def _gluon(block_n: int, stages: int, in_flight: int = 1, group_m: int = 8) -> G:
+    """The warp-specialised Gluon tree (splitk_ws.py): 128-row tiles, two consumers of 64 rows."""
+    return G(128, block_n, group_m, 4, stages, warp_specialize=True, gluon=True, wgmma_in_flight=in_flight)
+
+
+# 128 x 256 tiles and 6 stages of 128 x 128 fit beside a tree's pending quads only for <= 4 chunks
+# (a candidate that does not fit fails and is skipped)
+# (96 and 192 columns: two wgmmas a step, 64 + 32 and 128 + 64)
+GLUON_CONFIGS = [_gluon(128, 4, 0), _gluon(128, 4), _gluon(128, 5), _gluon(128, 6), _gluon(128, 4, group_m=4),
+                 _gluon(64, 6, 0), _gluon(64, 6), _gluon(64, 8), _gluon(256, 3), _gluon(256, 4),
+                 _gluon(96, 6), _gluon(96, 8), _gluon(192, 4), _gluon(96, 6, group_m=1)]
 WHOLE_TREE_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 8, 4), G(64, 128, 8, 4, 4),
-                      G(128, 64, 8, 4, 4),
-                      # the warp-specialised Gluon tree (splitk_ws.py): 128x128 tiles, two consumers of 64 rows
-                      G(128, 128, 8, 4, 4, warp_specialize=True), G(128, 128, 8, 4, 5, warp_specialize=True),
-                      G(128, 128, 4, 4, 4, warp_specialize=True), G(128, 64, 8, 4, 4, warp_specialize=True),
-                      G(128, 64, 8, 4, 6, warp_specialize=True), G(128, 64, 4, 4, 6, warp_specialize=True)]
+                      G(128, 64, 8, 4, 4), *GLUON_CONFIGS]
 
 
-def candidates(m: int, chunks: int, whole_only: bool = False):
+def candidates(m: int, chunks: int, whole_only: bool = False, gluon_only: bool = False):
+    if gluon_only:
+        yield from ((cfg, 1) for cfg in GLUON_CONFIGS)
+        return
     if m <= 256 and not whole_only:
         yield from ((cfg, split) for cfg in SPLIT_CONFIGS for split in SPLITS if not split or split <= chunks)
     if m >= 128 or whole_only:
@@ -60,6 +72,7 @@ def main() -> None:
                    help="K chunks of the tree (1: a plain GEMM, the same sums as `linear`)")
     p.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated row counts (default: %(default)s)")
     p.add_argument("--whole-only", action="store_true", help="only whole-tree (split 1) candidates, at every M")
+    p.add_argument("--gluon-only", action="store_true", help="only the Gluon tree's candidates, at every M")
     args = p.parse_args()
     K.set_backend("triton")
     lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shapes} shapes, "
@@ -79,9 +92,10 @@ def main() -> None:
             linear = graph_ms_per_call(lambda: K.linear(x, w)) * 1e3
             default = graph_ms_per_call(lambda: row_tree(x, w, chunk, x.dtype)) * 1e3
             best = (default, "default")
-            for cfg, split in candidates(m, args.chunks, args.whole_only):
+            for cfg, split in candidates(m, args.chunks, args.whole_only, args.gluon_only):
                 key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm,
-                       "swap" if cfg.swap_ab else "ws" if cfg.warp_specialize else "-", cfg.group_m, split or "auto")
+                       "swap" if cfg.swap_ab else f"gluon{cfg.wgmma_in_flight}" if cfg.gluon else "-", cfg.group_m,
+                       split or "auto")
                 fn = lambda: row_tree(x, w, chunk, x.dtype, split=split, config=cfg)  # noqa: E731
                 try:
                     got = fn()

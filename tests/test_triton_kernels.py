@@ -277,7 +277,9 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
     x, w, bias = torch.randn(300, 96), torch.randn(200, 96), torch.randn(200)
     plain = {m: K.linear(x[:m], w, bias) for m in (1, 40, 130, 300)}
     gluon = replace(ws, gluon=True)  # on the CPU (the interpreter): the tl kernel with its tile
-    for cfg, ms in ((ws, (1, 130, 300)), (swapped, (1, 40)), (gluon, (1, 130))):
+    # a Gluon width of two products (96 = 64 + 32) runs in the tl kernel as its first product's width
+    assert mc.tl_tile(replace(gluon, block_n=96, num_stages=8)) == replace(ws, block_n=64, num_stages=4)
+    for cfg, ms in ((ws, (1, 130, 300)), (swapped, (1, 40)), (gluon, (1, 130)), (replace(gluon, block_n=96), (130,))):
         monkeypatch.setattr(mc, "CONFIGS_FP32", [(None, cfg)])
         for m in ms:
             assert torch.equal(K.linear(x[:m], w, bias), plain[m]), (cfg, m)
@@ -293,6 +295,13 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
     for bad in (dict(warp_specialize=False), dict(block_m=256), dict(block_m=32, block_n=128, swap_ab=True)):
         with pytest.raises(ValueError, match="gluon is the warp-specialised schedule"):
             replace(gluon, **bad)
+    with pytest.raises(ValueError, match="no power of two .* needs gluon=True"):
+        replace(ws, block_n=96)
+    from lockstep.kernels._triton.splitk_ws import split_width
+    assert [split_width(n) for n in (64, 96, 192, 256)] == [(64, 0), (64, 32), (128, 64), (256, 0)]
+    for bad_width in (8, 112, 72):  # too narrow; 64 + 48 and 64 + 8 are no two wgmma widths the kernel takes
+        with pytest.raises(ValueError, match="power of two from 16"):
+            split_width(bad_width)
     for cfg in (replace(ws, num_stages=5), replace(swapped, num_stages=5)):  # `linear` only: the tree's Gluon kernel takes them
         monkeypatch.setattr(mc, "CONFIGS_FP32", [(None, cfg)])
         with pytest.raises(ValueError, match="more than 4 stages"):
@@ -317,10 +326,13 @@ gluon_linear = [(cfg, (1,)) for *_, cfg in WIDE_CONFIGS_16BIT + CONFIGS_16BIT if
 for cfg, chunk_counts in [(cfg, (8, 4, 2, 1)) for _, cfg in ROW_CONFIGS_16BIT] + gluon_linear:
     if cfg.warp_specialize:  # the Gluon tree (splitk_ws.py), as row_tree launches it
         for chunks in chunk_counts:  # the tree at TP 1, 2, 4, 8; `linear`'s product
+            head, tail = W.split_width(cfg.block_n)
             descs = {"x_desc": f"tensordesc<bf16[{W.HALF}, 64],{W.gluon_layout([W.HALF, 64])!r}>",
-                     "w_desc": f"tensordesc<bf16[{cfg.block_n}, 64],{W.gluon_layout([cfg.block_n, 64])!r}>",
+                     "w_desc": f"tensordesc<bf16[{head}, 64],{W.gluon_layout([head, 64])!r}>",
+                     "wt_desc": f"tensordesc<bf16[{tail or head}, 64],{W.gluon_layout([tail or head, 64])!r}>",
                      "out_ptr": "*bf16" if chunks == 8 else "*fp32"}
-            ce = dict(CHUNKS=chunks, GROUP_M=cfg.group_m, STAGES=cfg.num_stages)
+            ce = dict(CHUNKS=chunks, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, TAIL=tail,
+                      IN_FLIGHT=cfg.wgmma_in_flight)
             r = compile_sm90(W._row_tree_ws_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, 1)
             out.append(dict(r, tile=[cfg.block_m, cfg.block_n], split=1, chunks=chunks, gluon=True))
         continue
@@ -362,11 +374,11 @@ _GEMM_PROBE = r"""
 import json
 from sm90 import compile_sm90
 from lockstep.kernels._triton import matmul as M
-from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, WIDE_CONFIGS_16BIT
+from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, WIDE_CONFIGS_16BIT, tl_tile
 
 out = []
 types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*bf16"}
-for cfg in [c for _, c in CONFIGS_16BIT] + [c for *_, c in WIDE_CONFIGS_16BIT]:
+for cfg in [tl_tile(c) for _, c in CONFIGS_16BIT] + [tl_tile(c) for *_, c in WIDE_CONFIGS_16BIT]:  # as matmul._gemm
     if cfg.swap_ab:
         for rows in sorted({16, cfg.block_m}):
             ce = dict(HAS_BIAS=False, BLOCK_X=rows, BLOCK_W=cfg.block_n, BLOCK_K=64, WIDEN_OPERANDS=False,
@@ -612,21 +624,22 @@ def test_gpu_row_parallel_linear_row_invariant_qwen3_8b(k):
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_linear_gives_the_tl_kernels_bits(monkeypatch):
-    """`linear`'s Gluon buckets (gate/up's width, 129-1,024 rows) give the bits of the tl kernel on
-    the same tile, with and without a bias."""
-    from dataclasses import replace
+@pytest.mark.parametrize("n, ms", [(24576, (129, 256, 512, 513, 700, 1024)), (6144, (129, 200, 256))],
+                         ids=["gate_up", "qkv"])
+def test_gpu_gluon_linear_gives_the_tl_kernels_bits(monkeypatch, n, ms):
+    """`linear`'s Gluon buckets (gate/up's width at 129-1,024 rows, qkv's at 129-256) give the bits
+    of the tl kernel on the same tile, with and without a bias."""
 
     from lockstep.kernels._triton import matmul_configs as mc
 
     x = torch.randn(1024, 4096, device="cuda", dtype=BF16)
-    w = (torch.randn(24576, 4096, device="cuda") / 64).to(BF16)
-    bias = torch.randn(24576, device="cuda", dtype=BF16)
-    ms = (129, 256, 700, 1024)
-    assert all(mc.config_for(m, BF16, 24576).gluon for m in ms)
+    w = (torch.randn(n, 4096, device="cuda") / 64).to(BF16)
+    bias = torch.randn(n, device="cuda", dtype=BF16)
+    assert all(mc.config_for(m, BF16, n).gluon for m in ms)
     gluon = {m: (K.linear(x[:m], w), K.linear(x[:m], w, bias)) for m in ms}
-    monkeypatch.setattr(mc, "WIDE_CONFIGS_16BIT", [(lo, hi, n, replace(c, gluon=False))
-                                                   for lo, hi, n, c in mc.WIDE_CONFIGS_16BIT])
+    monkeypatch.setattr(mc, "WIDE_CONFIGS_16BIT", [(lo, hi, wide, mc.tl_tile(c))
+                                                   for lo, hi, wide, c in mc.WIDE_CONFIGS_16BIT])
+    monkeypatch.setattr(mc, "CONFIGS_16BIT", [(hi, mc.tl_tile(c)) for hi, c in mc.CONFIGS_16BIT])
     for m in ms:
         assert torch.equal(gluon[m][0], K.linear(x[:m], w)), m
         assert torch.equal(gluon[m][1], K.linear(x[:m], w, bias)), m

@@ -26,7 +26,8 @@ import triton.language as tl
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
 from lockstep.kernels._triton._order import grouped_tile
 from lockstep.kernels._triton._tma import aligned_empty, install_descriptor_allocator, tma_matrix
-from lockstep.kernels._triton.matmul_configs import MAX_WARP_SPECIALIZED_STAGES, block_k, config_for, tile_rows
+from lockstep.kernels._triton.matmul_configs import (MAX_WARP_SPECIALIZED_STAGES, block_k, config_for, tile_rows,
+                                                     tl_tile)
 from lockstep.kernels._triton.splitk_ws import row_tree_ws
 
 
@@ -145,6 +146,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None)
         if bias is not None:  # the reference's order, as in _gemm_kernel's epilogue
             c = (c.float() + bias.float()).to(a.dtype)
         return c.contiguous()
+    cfg = tl_tile(cfg)  # a Gluon config's tile in the tl kernel (other operand layouts, the interpreter)
     if cfg.warp_specialize and cfg.num_stages > MAX_WARP_SPECIALIZED_STAGES:
         raise ValueError(f"{cfg}: Triton's warp specialisation with more than {MAX_WARP_SPECIALIZED_STAGES} stages "
                          "gave other bits than the plain kernel on an H200 (Triton 3.6; matmul_configs.py)")

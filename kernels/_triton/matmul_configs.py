@@ -15,7 +15,7 @@ operand buffers + BLOCK_M * BLOCK_N * 2 bytes of epilogue staging; keep it under
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,8 +44,14 @@ class GemmConfig:
     # program a tile, any stage count whose buffers fit. Needs warp_specialize, block_m=128 and no
     # swap. `linear`'s forward (x @ weight^T) runs it on the GPU; its backward's operand layouts and
     # Triton's interpreter run the tl kernel with the same tile (the same sums). The row-parallel
-    # tree's warp-specialised form exists only in Gluon.
+    # tree's warp-specialised form exists only in Gluon. There the ring takes any stage count whose
+    # buffers fit, and block_n may be a power of two plus a smaller one (96 = 64 + 32: two wgmmas a
+    # step); the tl kernel runs the tile as tl_tile() gives it.
     gluon: bool = False
+    # A Gluon consumer's wgmma groups left in flight while it frees the previous step's slot and
+    # awaits the next (0: each step's MMA waited for before its slot is freed). Only the schedule:
+    # the MMAs of one accumulator run in issue order either way.
+    wgmma_in_flight: int = 1
 
     def __post_init__(self):
         if self.warp_specialize and (self.num_warps != 4 or (self.block_n if self.swap_ab else self.block_m) % 128):
@@ -54,6 +60,10 @@ class GemmConfig:
         if self.gluon and (not self.warp_specialize or self.block_m != 128 or self.swap_ab):
             raise ValueError(f"{self}: gluon is the warp-specialised schedule of 128-row unswapped tiles: it needs "
                              "warp_specialize=True, block_m=128 and swap_ab=False")
+        if self.block_n & (self.block_n - 1) and not self.gluon:
+            raise ValueError(f"{self}: a block_n that is no power of two (two products a tile) needs gluon=True")
+        if self.wgmma_in_flight not in (0, 1):
+            raise ValueError(f"{self}: wgmma_in_flight is 0 or 1 (wgmma groups a Gluon consumer leaves in flight)")
 
 
 # Every warp-specialised `linear` config with 5 or more stages that benchmarks/sweep_gemm.py ran (5, 6, 8
@@ -81,15 +91,19 @@ CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     # bucket below (H200, sweep_gemm.py --column, bits checked against the unswapped kernel at M = 100
     # and 128). gate/up's width keeps its 128x256 tiles (WIDE_CONFIGS_16BIT: 0.864x vs 0.816x).
     (128, GemmConfig(block_m=128, block_n=64, group_m=1, num_warps=4, num_stages=6, swap_ab=True)),
-    # 129-256 rows at N < 16,384 (qkv): swapped, all 256 rows of x as one wgmma's N side (n256):
-    # 0.767x cuBLAS on qkv at M = 256 against 0.530x for unswapped 64x128 tiles and 0.668x for
-    # warp-specialised 128x128 ones (H200, sweep_gemm.py --column and --large, bits checked at M = 200
-    # and 256). gate/up's width takes WIDE_CONFIGS_16BIT.
-    (256, GemmConfig(block_m=256, block_n=64, group_m=1, num_warps=4, num_stages=4, swap_ab=True)),
-    # 257-1024 rows: warp-specialised 128x128 tiles, persistent (a producer warpgroup, two consumers
-    # of 64 rows): 0.988x / 0.913x cuBLAS on qkv / gate_up at M = 1024 and 0.715x / 0.870x at 512,
-    # against 0.908x / 0.920x and 0.697x / 0.832x for unswapped 64x256 tiles (H200, sweep_gemm.py --large).
-    (1024, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=4, warp_specialize=True)),
+    # 129-256 rows at N < 16,384 (qkv): warp-specialised Gluon tiles of 128 x 96 (each consumer a
+    # 64-wide and a 32-wide wgmma a step), 8 stages, the wgmmas left in flight: 128 tiles fill the
+    # 132 SMs where 128x128 leaves 36 idle. 0.865x cuBLAS on qkv at M = 256 against 0.775x for 128x128
+    # (6 stages), and 0.698x for the swapped 256x64 tile before in an earlier call (H200,
+    # sweep_rowtree.py --gluon-only --shapes column --chunks 1, bits checked against the table's
+    # kernel). gate/up's width takes WIDE_CONFIGS_16BIT.
+    (256, GemmConfig(block_m=128, block_n=96, group_m=8, num_warps=4, num_stages=8, warp_specialize=True,
+                     gluon=True)),
+    # 257-1024 rows: Gluon tiles of 128 x 192 (a 128- and a 64-wide wgmma a consumer), 4 stages:
+    # 0.881 / 0.903x cuBLAS on qkv at M = 512 / 1,024 against 0.676 / 0.846x for Triton's pass on
+    # 128x128 tiles before, in the same call (H200, sweep_rowtree.py as above).
+    (1024, GemmConfig(block_m=128, block_n=192, group_m=8, num_warps=4, num_stages=4, warp_specialize=True,
+                      gluon=True)),
     # Large M: the classic Hopper 128x256x64 tile, two warpgroups, 3 stages
     # (144 KiB operands + 64 KiB epilogue staging), grouped by 8 for L2 reuse.
     (None, GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=3)),
@@ -105,12 +119,15 @@ WIDE_CONFIGS_16BIT: list[tuple[int, int, int, GemmConfig]] = [
     # each weight tile streams once; 0.864x cuBLAS against 0.795x for the bucket's 64x128 tiles (H200,
     # M = 128, benchmarks/sweep_gemm.py --m 128). At qkv's N = 6144 it would leave most SMs idle.
     (65, 128, 16384, GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=3)),
-    # 129-1,024 rows against gate/up: warp-specialised 128x128 tiles in Gluon (splitk_ws.py with one
-    # K chunk: the same sums as _gemm_kernel, checked bitwise), 0.97 / 1.00 / 0.88x cuBLAS at M = 256 /
-    # 512 / 1,024 against 0.87 / 0.90 / 0.82x for Triton's pass on the same tile (the 257-1,024 bucket;
-    # H200, sweep_rowtree.py --shapes column --chunks 1). At qkv's N Triton's pass keeps the lead
-    # (0.90 vs 0.85-0.88 at 1,024). Before: Triton's pass at 129-256 rows, 0.814x vs 0.705x swapped.
-    (129, 1024, 16384, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=4,
+    # 129-1,024 rows against gate/up: warp-specialised tiles in Gluon (splitk_ws.py with one K chunk:
+    # the same sums as _gemm_kernel, checked bitwise), each consumer's wgmma left in flight. 128x128
+    # with 6 stages to 256 rows: 0.936 / 1.001x cuBLAS at M = 256 in two calls, against 0.815x for
+    # the table before (128x128, 4 stages, each wgmma waited) in the first; 128x256 (each consumer a
+    # 64x256 wgmma) with 3 stages above: 0.973 / 0.971x at M = 1,024 against 0.890x (H200,
+    # sweep_rowtree.py --gluon-only --shapes column --chunks 1).
+    (129, 256, 16384, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=6,
+                                 warp_specialize=True, gluon=True)),
+    (257, 1024, 16384, GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=4, num_stages=3,
                                   warp_specialize=True, gluon=True)),
 ]
 
@@ -134,17 +151,31 @@ CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 # beyond (0.80-0.85 / 0.83-0.91x at M = 512-4,096 against 0.41-0.53x for the 64x128 tile). Every
 # candidate's bits checked against the table's kernel before timing. programs_per_sm is the program
 # count the subtree split aims for at small M (programs = tiles x split); like every field here it
-# never changes the bits.
+# never changes the bits. The Gluon buckets leave each consumer's wgmma in flight (wgmma_in_flight=1),
+# which made room for more stages: 128x64 with 8 at 129-256 rows (0.953 geometric mean of o_proj and
+# down at M = 256 against 0.892 for 6 stages waited), 128x128 with 5 beyond (0.852 / 0.839 at
+# M = 512 / 1,024 against 0.827 / 0.816 for 4 stages waited; 0.819 vs 0.821 at 4,096; H200,
+# sweep_rowtree.py --gluon-only).
 ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=4, programs_per_sm=1, swap_ab=True)),
     (128, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
-    (256, GemmConfig(block_m=128, block_n=64, group_m=8, num_warps=4, num_stages=6, warp_specialize=True, gluon=True)),
-    (None, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=4, warp_specialize=True,
+    (256, GemmConfig(block_m=128, block_n=64, group_m=8, num_warps=4, num_stages=8, warp_specialize=True, gluon=True)),
+    (None, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=5, warp_specialize=True,
                       gluon=True)),
 ]
 ROW_CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
     (None, GemmConfig(block_m=64, block_n=32, group_m=8, num_warps=4, num_stages=2, programs_per_sm=2)),
 ]
+
+
+def tl_tile(config: GemmConfig) -> GemmConfig:
+    """A Gluon config as the tl kernel runs its tile (the backward's operand layouts, Triton's
+    interpreter): at most MAX_WARP_SPECIALIZED_STAGES stages and block_n rounded down to a power of
+    two (its first product's width). Neither changes an element's sum."""
+    if not config.gluon:
+        return config
+    return replace(config, gluon=False, num_stages=min(config.num_stages, MAX_WARP_SPECIALIZED_STAGES),
+                   block_n=1 << (config.block_n.bit_length() - 1))
 
 
 def tile_rows(m: int, config: GemmConfig) -> int:

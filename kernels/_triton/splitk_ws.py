@@ -61,11 +61,15 @@ def invalidate_ring(ready, empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _producer(x_desc, w_desc, x0_smem, x1_smem, w_smem, ready, empty, my_tiles, pid, num_programs, steps, num_pid_m,
-              num_pid_n, K_PAD, CHUNKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def _producer(x_desc, w_desc, wt_desc, x0_smem, x1_smem, w_smem, wt_smem, ready, empty, my_tiles, pid, num_programs,
+              steps, num_pid_m, num_pid_n, K_PAD, CHUNKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              TAIL: gl.constexpr):
     ROWS: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    HEAD: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = HEAD + TAIL
+    NBYTES: gl.constexpr = 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes + (
+        wt_desc.block_type.nbytes if TAIL > 0 else 0)
     t = 0
     for local in range(my_tiles):
         pid_m, pid_n = grouped_tile(pid + local * num_programs, num_pid_m, num_pid_n, GROUP_M)
@@ -75,24 +79,71 @@ def _producer(x_desc, w_desc, x0_smem, x1_smem, w_smem, ready, empty, my_tiles, 
                 # a slot is free once both consumers released it (its first use passes at once)
                 mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
-                mbarrier.expect(bar, 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                mbarrier.expect(bar, NBYTES)
                 k = j * K_PAD + ki * BLOCK_K  # chunk j's columns start at j * K_PAD (zero padding: exact)
                 tma.async_copy_global_to_shared(x_desc, [pid_m * 2 * ROWS, k], bar, x0_smem.index(s))
                 tma.async_copy_global_to_shared(x_desc, [pid_m * 2 * ROWS + ROWS, k], bar, x1_smem.index(s))
                 tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_N, k], bar, w_smem.index(s))
+                if TAIL > 0:
+                    tma.async_copy_global_to_shared(wt_desc, [pid_n * BLOCK_N + HEAD, k], bar, wt_smem.index(s))
                 t += 1
 
 
 @gluon.jit
-def _consumer(x_smem, w_smem, ready, empty, quad_smem, out_ptr, M, N, stride_o, my_tiles, pid, num_programs, steps,
-              num_pid_m, num_pid_n, ROW_HALF: gl.constexpr, CHUNKS: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+def _join(v, j, h1, h2, quad_smem, layout: gl.constexpr, CHUNKS: gl.constexpr):
+    """Chunk j's finished product v joins the tree (splitk._join's binary counter; the quad waits in
+    quad_smem). Returns the holders and the newest subtree (after the last chunk: the root)."""
+    if CHUNKS > 1:
+        if j % 2 == 1:
+            v = h1 + v
+    if CHUNKS > 2:
+        if j % 4 == 3:
+            v = h2 + v
+    if CHUNKS > 4:
+        if j % 8 == 7:
+            v = quad_smem.load(layout) + v  # each thread reads back only what it stored
+    if CHUNKS > 1:
+        if j % 2 == 0:
+            h1 = v
+    if CHUNKS > 2:
+        if j % 4 == 1:
+            h2 = v
+    if CHUNKS > 4:
+        if j % 8 == 3:
+            quad_smem.store(v)
+    return h1, h2, v
+
+
+@gluon.jit
+def _store(acc, out_ptr, row0, col0, M, N, stride_o, layout: gl.constexpr):
+    offs_m = row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    offs_n = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    ptrs = out_ptr + offs_m.to(gl.int64)[:, None] * stride_o + offs_n[None, :]
+    gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@gluon.jit
+def _consumer(x_smem, w_smem, wt_smem, ready, empty, quad_smem, quadt_smem, out_ptr, M, N, stride_o, my_tiles, pid,
+              num_programs, steps, num_pid_m, num_pid_n, ROW_HALF: gl.constexpr, CHUNKS: gl.constexpr,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, HEAD: gl.constexpr, TAIL: gl.constexpr,
+              IN_FLIGHT: gl.constexpr):
     """Rows ROW_HALF * ROWS .. + ROWS of every tile: multiply, free the slot, join at chunk ends
-    (splitk._join's tree, the quad waiting in quad_smem), write the root."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    acc = gl.zeros([ROWS, BLOCK_N], gl.float32, mma)
-    h1 = gl.zeros([ROWS, BLOCK_N], gl.float32, mma)  # a finished chunk waiting for its sibling
-    h2 = gl.zeros([ROWS, BLOCK_N], gl.float32, mma)  # a finished pair
+    (the quads waiting in quad_smem, quadt_smem), write the root. A tile of HEAD + TAIL columns
+    (TAIL > 0: a width that is no power of two) is two products, HEAD and TAIL columns wide, each
+    element the same sum."""
+    BLOCK_N: gl.constexpr = HEAD + TAIL
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD, 16])
+    mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, TAIL if TAIL > 0 else 8, 16])
+    # the wgmma groups a step leaves in flight: its one or two products
+    PENDING: gl.constexpr = IN_FLIGHT * (2 if TAIL > 0 else 1)
+    acc = gl.zeros([ROWS, HEAD], gl.float32, mma)
+    h1 = gl.zeros([ROWS, HEAD], gl.float32, mma)  # a finished chunk waiting for its sibling
+    h2 = gl.zeros([ROWS, HEAD], gl.float32, mma)  # a finished pair
+    if TAIL > 0:
+        acc_t = gl.zeros([ROWS, TAIL], gl.float32, mma_t)
+        h1_t = gl.zeros([ROWS, TAIL], gl.float32, mma_t)
+        h2_t = gl.zeros([ROWS, TAIL], gl.float32, mma_t)
     t = 0
     for local in range(my_tiles):
         pid_m, pid_n = grouped_tile(pid + local * num_programs, num_pid_m, num_pid_n, GROUP_M)
@@ -102,64 +153,91 @@ def _consumer(x_smem, w_smem, ready, empty, quad_smem, out_ptr, M, N, stride_o, 
                 mbarrier.wait(ready.index(s), (t // STAGES) & 1)
                 acc = warpgroup_mma(x_smem.index(s), w_smem.index(s).permute((1, 0)), acc, use_acc=ki > 0,
                                     is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(s), count=1)
+                if TAIL > 0:
+                    acc_t = warpgroup_mma(x_smem.index(s), wt_smem.index(s).permute((1, 0)), acc_t, use_acc=ki > 0,
+                                          is_async=True)
+                    acc, acc_t = warpgroup_mma_wait(num_outstanding=PENDING, deps=(acc, acc_t))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=PENDING, deps=(acc,))
+                # IN_FLIGHT 1: step ki's MMAs stay in flight while step ki - 1's slot is freed and the
+                # next slot awaited (the MMAs of one accumulator run in issue order either way)
+                mbarrier.arrive(empty.index((t + STAGES - IN_FLIGHT) % STAGES), count=1, pred=ki >= IN_FLIGHT)
                 t += 1
-            v = acc  # chunk j's product joins the tree
-            if CHUNKS > 1:
-                if j % 2 == 1:
-                    v = h1 + v
-            if CHUNKS > 2:
-                if j % 4 == 3:
-                    v = h2 + v
-            if CHUNKS > 4:
-                if j % 8 == 7:
-                    v = quad_smem.load(mma) + v  # each thread reads back only what it stored
-            if CHUNKS > 1:
-                if j % 2 == 0:
-                    h1 = v
-            if CHUNKS > 2:
-                if j % 4 == 1:
-                    h2 = v
-            if CHUNKS > 4:
-                if j % 8 == 3:
-                    quad_smem.store(v)
-            acc = v
-        offs_m = pid_m * 2 * ROWS + ROW_HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
-        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-        ptrs = out_ptr + offs_m.to(gl.int64)[:, None] * stride_o + offs_n[None, :]
-        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+            if IN_FLIGHT > 0:  # the chunk's last MMAs, before its product joins the tree
+                if TAIL > 0:
+                    acc, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
+            h1, h2, acc = _join(acc, j, h1, h2, quad_smem, mma, CHUNKS)
+            if TAIL > 0:
+                h1_t, h2_t, acc_t = _join(acc_t, j, h1_t, h2_t, quadt_smem, mma_t, CHUNKS)
+        row0 = pid_m * 2 * ROWS + ROW_HALF * ROWS
+        _store(acc, out_ptr, row0, pid_n * BLOCK_N, M, N, stride_o, mma)
+        if TAIL > 0:
+            _store(acc_t, out_ptr, row0, pid_n * BLOCK_N + HEAD, M, N, stride_o, mma_t)
+
+
+@gluon.jit
+def _quad(ROWS: gl.constexpr, COLS: gl.constexpr, CHUNKS: gl.constexpr):
+    """A consumer's pending quad of ROWS x COLS fp32, for a tree of 8 chunks (a token 16 x 16 block
+    otherwise, never read)."""
+    QUAD_ROWS: gl.constexpr = ROWS if CHUNKS > 4 and COLS > 0 else 16
+    QUAD_COLS: gl.constexpr = COLS if CHUNKS > 4 and COLS > 0 else 16
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QUAD_ROWS, QUAD_COLS], gl.float32)
+    return gl.allocate_shared_memory(gl.float32, [QUAD_ROWS, QUAD_COLS], layout)
 
 
 # M is not specialised (one binary for every batch size), as in splitk._row_tree_kernel.
 @gluon.jit(do_not_specialize=["M"])
-def _row_tree_ws_kernel(x_desc, w_desc, out_ptr, M, N, K_CHUNK, K_PAD, stride_o, num_programs,
-                        CHUNKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def _row_tree_ws_kernel(x_desc, w_desc, wt_desc, out_ptr, M, N, K_CHUNK, K_PAD, stride_o, num_programs,
+                        CHUNKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr,
+                        IN_FLIGHT: gl.constexpr):
+    """TAIL > 0: a tile's weight rows are w_desc's block (a power of two) and wt_desc's TAIL more;
+    TAIL = 0: w_desc's block alone (wt_desc unused)."""
     ROWS: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    HEAD: gl.constexpr = w_desc.block_type.shape[0]
     pid = gl.program_id(0)
     num_pid_m = gl.cdiv(M, 2 * ROWS)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
+    num_pid_n = gl.cdiv(N, HEAD + TAIL)
     my_tiles = (num_pid_m * num_pid_n - pid + num_programs - 1) // num_programs
     steps = gl.cdiv(K_CHUNK, BLOCK_K)
     x0_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, ROWS, BLOCK_K], x_desc.layout)
     x1_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, ROWS, BLOCK_K], x_desc.layout)
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, HEAD, BLOCK_K], w_desc.layout)
+    if TAIL > 0:
+        wt_smem = gl.allocate_shared_memory(wt_desc.dtype, [STAGES, TAIL, BLOCK_K], wt_desc.layout)
+    else:
+        wt_smem = w_smem
     ready, empty = ring_barriers(STAGES)
-    quad_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], gl.float32)
-    quad0 = gl.allocate_shared_memory(gl.float32, [ROWS, BLOCK_N], quad_layout)
-    quad1 = gl.allocate_shared_memory(gl.float32, [ROWS, BLOCK_N], quad_layout)
+    quad0 = _quad(ROWS, HEAD, CHUNKS)
+    quad1 = _quad(ROWS, HEAD, CHUNKS)
+    quadt0 = _quad(ROWS, TAIL, CHUNKS)
+    quadt1 = _quad(ROWS, TAIL, CHUNKS)
     # (the argument tuples are written out in the call: a tuple variable loses their constexprs)
     gl.warp_specialize([
-        (_consumer, (x0_smem, w_smem, ready, empty, quad0, out_ptr, M, N, stride_o, my_tiles, pid, num_programs,
-                     steps, num_pid_m, num_pid_n, 0, CHUNKS, GROUP_M, STAGES, ROWS, BLOCK_N)),
-        (_consumer, (x1_smem, w_smem, ready, empty, quad1, out_ptr, M, N, stride_o, my_tiles, pid, num_programs,
-                     steps, num_pid_m, num_pid_n, 1, CHUNKS, GROUP_M, STAGES, ROWS, BLOCK_N)),
-        (_producer, (x_desc, w_desc, x0_smem, x1_smem, w_smem, ready, empty, my_tiles, pid, num_programs, steps,
-                     num_pid_m, num_pid_n, K_PAD, CHUNKS, GROUP_M, STAGES)),
+        (_consumer, (x0_smem, w_smem, wt_smem, ready, empty, quad0, quadt0, out_ptr, M, N, stride_o, my_tiles, pid,
+                     num_programs, steps, num_pid_m, num_pid_n, 0, CHUNKS, GROUP_M, STAGES, ROWS, HEAD, TAIL,
+                     IN_FLIGHT)),
+        (_consumer, (x1_smem, w_smem, wt_smem, ready, empty, quad1, quadt1, out_ptr, M, N, stride_o, my_tiles, pid,
+                     num_programs, steps, num_pid_m, num_pid_n, 1, CHUNKS, GROUP_M, STAGES, ROWS, HEAD, TAIL,
+                     IN_FLIGHT)),
+        (_producer, (x_desc, w_desc, wt_desc, x0_smem, x1_smem, w_smem, wt_smem, ready, empty, my_tiles, pid,
+                     num_programs, steps, num_pid_m, num_pid_n, K_PAD, CHUNKS, GROUP_M, STAGES, TAIL)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
     invalidate_ring(ready, empty, STAGES)
+
+
+def split_width(block_n: int) -> tuple[int, int]:
+    """A Gluon tile's weight rows as (head, tail): the largest power of two and what is left, itself
+    a power of two or 0 (96 = 64 + 32: a consumer's two wgmmas)."""
+    head = 1 << (block_n.bit_length() - 1)
+    tail = block_n - head
+    if head < 16 or (tail and (tail < 16 or tail & (tail - 1))):
+        raise ValueError(f"a Gluon tile's block_n = {block_n} must be a power of two from 16, or one plus a "
+                         "smaller one from 16 (e.g. 96 = 64 + 32)")
+    return head, tail
 
 
 def gluon_layout(block: list[int], dtype: torch.dtype = torch.bfloat16) -> gl.NVMMASharedLayout:
@@ -185,13 +263,17 @@ def row_tree_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, chunks
     if cfg.block_m != 2 * HALF or cfg.num_warps != 4:
         raise ValueError(f"row_tree: {cfg}: the warp-specialised tree takes block_m={2 * HALF} (two consumer "
                          f"warpgroups of {HALF} rows) and num_warps=4 (each consumer's warps)")
-    shared = cfg.num_stages * (2 * HALF + cfg.block_n) * bk * x.element_size() + 2 * HALF * cfg.block_n * 4
+    head, tail = split_width(cfg.block_n)
+    quads = 2 * HALF * cfg.block_n * 4 if chunks > 4 else 0  # the two consumers' pending quads (fp32)
+    shared = cfg.num_stages * (2 * HALF + cfg.block_n) * bk * x.element_size() + quads
     if shared > SHARED_BYTES:
         raise ValueError(f"row_tree: {cfg}: {cfg.num_stages} stages of x and weight tiles plus the two pending quads "
                          f"take {shared} bytes of shared memory, more than the {SHARED_BYTES} of a Hopper SM")
     m, n = out.shape
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = min(tiles, resident_programs(x.device))
+    w_desc = gluon_descriptor(weight, [head, bk])
     _row_tree_ws_kernel[(programs,)](
-        gluon_descriptor(x, [HALF, bk]), gluon_descriptor(weight, [cfg.block_n, bk]), out, m, n, chunk, padded,
-        out.stride(0), programs, CHUNKS=chunks, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+        gluon_descriptor(x, [HALF, bk]), w_desc, gluon_descriptor(weight, [tail, bk]) if tail else w_desc, out, m, n,
+        chunk, padded, out.stride(0), programs, CHUNKS=chunks, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, TAIL=tail,
+        IN_FLIGHT=cfg.wgmma_in_flight, num_warps=cfg.num_warps)
