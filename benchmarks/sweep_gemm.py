@@ -72,12 +72,12 @@ def _diverging(cfg: mc.GemmConfig, x: torch.Tensor, w: torch.Tensor, ref: dict) 
 
 def with_config(cfg: mc.GemmConfig, fn):
     """fn() with cfg as the 16-bit table's only config."""
-    original, wide = list(mc.CONFIGS_16BIT), list(mc.WIDE_CONFIGS_16BIT)
-    mc.CONFIGS_16BIT[:], mc.WIDE_CONFIGS_16BIT[:] = [(None, cfg)], []
+    original, wide = list(mc.CONFIGS_16BIT), list(mc.WIDTH_CONFIGS_16BIT)
+    mc.CONFIGS_16BIT[:], mc.WIDTH_CONFIGS_16BIT[:] = [(None, cfg)], []
     try:
         return fn()
     finally:
-        mc.CONFIGS_16BIT[:], mc.WIDE_CONFIGS_16BIT[:] = original, wide
+        mc.CONFIGS_16BIT[:], mc.WIDTH_CONFIGS_16BIT[:] = original, wide
 
 
 def ratio(cfg: mc.GemmConfig, ms: list[int], shapes=QWEN3_8B_PROJECTIONS) -> float:

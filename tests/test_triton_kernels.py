@@ -319,10 +319,10 @@ _ROW_TREE_PROBE = r"""
 import json
 from sm90 import compile_sm90
 from lockstep.kernels._triton import splitk as S, splitk_ws as W
-from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, ROW_CONFIGS_16BIT, WIDE_CONFIGS_16BIT
+from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, ROW_CONFIGS_16BIT, WIDTH_CONFIGS_16BIT
 
 out = []
-gluon_linear = [(cfg, (1,)) for *_, cfg in WIDE_CONFIGS_16BIT + CONFIGS_16BIT if cfg.gluon]  # linear: one chunk
+gluon_linear = [(cfg, (1,)) for *_, cfg in WIDTH_CONFIGS_16BIT + CONFIGS_16BIT if cfg.gluon]  # linear: one chunk
 for cfg, chunk_counts in [(cfg, (8, 4, 2, 1)) for _, cfg in ROW_CONFIGS_16BIT] + gluon_linear:
     if cfg.warp_specialize:  # the Gluon tree (splitk_ws.py), as row_tree launches it
         for chunks in chunk_counts:  # the tree at TP 1, 2, 4, 8; `linear`'s product
@@ -374,11 +374,11 @@ _GEMM_PROBE = r"""
 import json
 from sm90 import compile_sm90
 from lockstep.kernels._triton import matmul as M
-from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, WIDE_CONFIGS_16BIT, tl_tile
+from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, WIDTH_CONFIGS_16BIT, tl_tile
 
 out = []
 types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*bf16"}
-for cfg in [tl_tile(c) for _, c in CONFIGS_16BIT] + [tl_tile(c) for *_, c in WIDE_CONFIGS_16BIT]:  # as matmul._gemm
+for cfg in [tl_tile(c) for _, c in CONFIGS_16BIT] + [tl_tile(c) for *_, c in WIDTH_CONFIGS_16BIT]:  # as matmul._gemm
     if cfg.swap_ab:
         for rows in sorted({16, cfg.block_m}):
             ce = dict(HAS_BIAS=False, BLOCK_X=rows, BLOCK_W=cfg.block_n, BLOCK_K=64, WIDEN_OPERANDS=False,
@@ -576,12 +576,12 @@ def _assert_row0_matches_alone(fn, inputs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 6144), (4096, 12288), (12288, 4096), (4096, 24576)])
 def test_gpu_linear_row_invariant_qwen3_8b(k, n):
-    from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, WIDE_CONFIGS_16BIT, config_for
+    from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, WIDTH_CONFIGS_16BIT, config_for
 
     assert {config_for(m, BF16) for m in GPU_M} == {cfg for _, cfg in CONFIGS_16BIT}, \
         "GPU_M must hit every tile bucket of the config table"
-    assert {config_for(m, BF16, 24576) for m in GPU_M} >= {cfg for *_, cfg in WIDE_CONFIGS_16BIT}, \
-        "GPU_M must hit every wide-N config at gate/up's width"
+    assert {config_for(m, BF16, width) for m in GPU_M for width in (24576, 6144)} >= \
+        {cfg for *_, cfg in WIDTH_CONFIGS_16BIT}, "GPU_M must hit every width config at gate/up's and qkv's widths"
     x = torch.randn(max(GPU_M), k, device="cuda", dtype=BF16)
     w = (torch.randn(n, k, device="cuda") / k**0.5).to(BF16)
     _assert_row0_matches_alone(lambda rows: K.linear(rows, w), (x,))
@@ -624,11 +624,12 @@ def test_gpu_row_parallel_linear_row_invariant_qwen3_8b(k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, ms", [(24576, (129, 256, 512, 513, 700, 1024)), (6144, (129, 200, 256))],
+@pytest.mark.parametrize("n, ms", [(24576, (129, 256, 257, 700, 1024)), (6144, (129, 200, 256, 257, 700, 1024))],
                          ids=["gate_up", "qkv"])
 def test_gpu_gluon_linear_gives_the_tl_kernels_bits(monkeypatch, n, ms):
-    """`linear`'s Gluon buckets (gate/up's width at 129-1,024 rows, qkv's at 129-256) give the bits
-    of the tl kernel on the same tile, with and without a bias."""
+    """`linear`'s Gluon configs (gate/up's and qkv's widths at 129-1,024 rows; qkv's tiles of two
+    products, 96 and 192 columns) give the bits of the tl kernel on its form of the tile (tl_tile),
+    with and without a bias."""
 
     from lockstep.kernels._triton import matmul_configs as mc
 
@@ -637,8 +638,7 @@ def test_gpu_gluon_linear_gives_the_tl_kernels_bits(monkeypatch, n, ms):
     bias = torch.randn(n, device="cuda", dtype=BF16)
     assert all(mc.config_for(m, BF16, n).gluon for m in ms)
     gluon = {m: (K.linear(x[:m], w), K.linear(x[:m], w, bias)) for m in ms}
-    monkeypatch.setattr(mc, "WIDE_CONFIGS_16BIT", [(lo, hi, wide, mc.tl_tile(c))
-                                                   for lo, hi, wide, c in mc.WIDE_CONFIGS_16BIT])
+    monkeypatch.setattr(mc, "WIDTH_CONFIGS_16BIT", [(*key, mc.tl_tile(c)) for *key, c in mc.WIDTH_CONFIGS_16BIT])
     monkeypatch.setattr(mc, "CONFIGS_16BIT", [(hi, mc.tl_tile(c)) for hi, c in mc.CONFIGS_16BIT])
     for m in ms:
         assert torch.equal(gluon[m][0], K.linear(x[:m], w)), m

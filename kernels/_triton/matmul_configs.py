@@ -89,46 +89,56 @@ CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     # 65-128 rows (the 8B rollout's decode batch) at N < 16,384 (qkv): swapped, all 128 rows of x as
     # the N side of 64-weight-row programs: 0.795x cuBLAS on qkv at M = 128 against 0.672x for the
     # bucket below (H200, sweep_gemm.py --column, bits checked against the unswapped kernel at M = 100
-    # and 128). gate/up's width keeps its 128x256 tiles (WIDE_CONFIGS_16BIT: 0.864x vs 0.816x).
+    # and 128). gate/up's width keeps its 128x256 tiles (WIDTH_CONFIGS_16BIT: 0.864x vs 0.816x).
     (128, GemmConfig(block_m=128, block_n=64, group_m=1, num_warps=4, num_stages=6, swap_ab=True)),
-    # 129-256 rows at N < 16,384 (qkv): warp-specialised Gluon tiles of 128 x 96 (each consumer a
-    # 64-wide and a 32-wide wgmma a step), 8 stages, the wgmmas left in flight: 128 tiles fill the
-    # 132 SMs where 128x128 leaves 36 idle. 0.865x cuBLAS on qkv at M = 256 against 0.775x for 128x128
-    # (6 stages), and 0.698x for the swapped 256x64 tile before in an earlier call (H200,
-    # sweep_rowtree.py --gluon-only --shapes column --chunks 1, bits checked against the table's
-    # kernel). gate/up's width takes WIDE_CONFIGS_16BIT.
-    (256, GemmConfig(block_m=128, block_n=96, group_m=8, num_warps=4, num_stages=8, warp_specialize=True,
-                     gluon=True)),
-    # 257-1024 rows: Gluon tiles of 128 x 192 (a 128- and a 64-wide wgmma a consumer), 4 stages:
-    # 0.881 / 0.903x cuBLAS on qkv at M = 512 / 1,024 against 0.676 / 0.846x for Triton's pass on
-    # 128x128 tiles before, in the same call (H200, sweep_rowtree.py as above).
-    (1024, GemmConfig(block_m=128, block_n=192, group_m=8, num_warps=4, num_stages=4, warp_specialize=True,
-                      gluon=True)),
+    # 129-256 rows (other widths: WIDTH_CONFIGS_16BIT): swapped, all 256 rows of x as one wgmma's N
+    # side (n256): 0.767x cuBLAS on qkv at M = 256 against 0.530x for unswapped 64x128 tiles and
+    # 0.668x for warp-specialised 128x128 ones (H200, sweep_gemm.py --column and --large, bits
+    # checked at M = 200 and 256).
+    (256, GemmConfig(block_m=256, block_n=64, group_m=1, num_warps=4, num_stages=4, swap_ab=True)),
+    # 257-1024 rows: warp-specialised 128x128 tiles, persistent (a producer warpgroup, two consumers
+    # of 64 rows): 0.988x / 0.913x cuBLAS on qkv / gate_up at M = 1024 and 0.715x / 0.870x at 512,
+    # against 0.908x / 0.920x and 0.697x / 0.832x for unswapped 64x256 tiles (H200, sweep_gemm.py --large).
+    (1024, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=4, warp_specialize=True)),
     # Large M: the classic Hopper 128x256x64 tile, two warpgroups, 3 stages
     # (144 KiB operands + 64 KiB epilogue staging), grouped by 8 for L2 reuse.
     (None, GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=3)),
 ]
 
-# (smallest M, largest M, smallest N, config): a product in that row range with at least that many
-# output columns takes this config instead of its M bucket's (the bucket tables are keyed by M alone).
-WIDE_CONFIGS_16BIT: list[tuple[int, int, int, GemmConfig]] = [
+# (smallest M, largest M, smallest N, N a multiple of, config): a product in that row range whose
+# output width is at least that and a multiple of that takes the first matching config instead of its
+# M bucket's (the bucket tables are keyed by M alone).
+WIDTH_CONFIGS_16BIT: list[tuple[int, int, int, int, GemmConfig]] = [
     # 33-64 rows against gate/up: 128 weight rows per swapped program (0.930x cuBLAS at M = 64 against
     # 0.846x for 64; at qkv's N the 64-row programs win, 0.915x vs 0.855x; H200, sweep_gemm.py --column).
-    (33, 64, 16384, GemmConfig(block_m=64, block_n=128, group_m=1, num_warps=4, num_stages=8, swap_ab=True)),
+    (33, 64, 16384, 1, GemmConfig(block_m=64, block_n=128, group_m=1, num_warps=4, num_stages=8, swap_ab=True)),
     # A decode batch of 65-128 rows against gate/up (N = 24576): one 128x256 tile holds every row, so
     # each weight tile streams once; 0.864x cuBLAS against 0.795x for the bucket's 64x128 tiles (H200,
     # M = 128, benchmarks/sweep_gemm.py --m 128). At qkv's N = 6144 it would leave most SMs idle.
-    (65, 128, 16384, GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=3)),
+    (65, 128, 16384, 1, GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=3)),
     # 129-1,024 rows against gate/up: warp-specialised tiles in Gluon (splitk_ws.py with one K chunk:
     # the same sums as _gemm_kernel, checked bitwise), each consumer's wgmma left in flight. 128x128
     # with 6 stages to 256 rows: 0.936 / 1.001x cuBLAS at M = 256 in two calls, against 0.815x for
     # the table before (128x128, 4 stages, each wgmma waited) in the first; 128x256 (each consumer a
     # 64x256 wgmma) with 3 stages above: 0.973 / 0.971x at M = 1,024 against 0.890x (H200,
     # sweep_rowtree.py --gluon-only --shapes column --chunks 1).
-    (129, 256, 16384, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=6,
+    (129, 256, 16384, 1, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=6,
                                  warp_specialize=True, gluon=True)),
-    (257, 1024, 16384, GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=4, num_stages=3,
-                                  warp_specialize=True, gluon=True)),
+    (257, 1024, 16384, 1, GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=4, num_stages=3,
+                                     warp_specialize=True, gluon=True)),
+    # qkv's width (N = 6,144 = 64 x 96) at 129-256 rows: warp-specialised Gluon tiles of 128 x 96 (each
+    # consumer a 64-wide and a 32-wide wgmma a step), 8 stages, the wgmmas left in flight: 128 tiles
+    # fill the 132 SMs where 128x128 leaves 36 idle. 0.865x cuBLAS at M = 256 against 0.775x for
+    # 128x128 (6 stages) and 0.698x for the swapped 256x64 bucket in an earlier call (H200,
+    # sweep_rowtree.py --gluon-only --shapes column --chunks 1, bits checked against the table's kernel).
+    (129, 256, 96, 96, GemmConfig(block_m=128, block_n=96, group_m=8, num_warps=4, num_stages=8,
+                                 warp_specialize=True, gluon=True)),
+    # ... and at 257-1,024 rows, tiles of 128 x 192 (a 128- and a 64-wide wgmma a consumer), 4 stages:
+    # 0.881 / 0.903x cuBLAS at M = 512 / 1,024 against 0.676 / 0.846x for the bucket's Triton pass on
+    # 128x128 tiles, in the same call (as above). At o_proj's N = 4,096 these widths leave a partial
+    # column of tiles: 0.678 / 0.618x at M = 256 / 1,024 in benchmarks/kernels.py.
+    (257, 1024, 192, 192, GemmConfig(block_m=128, block_n=192, group_m=8, num_warps=4, num_stages=4,
+                                   warp_specialize=True, gluon=True)),
 ]
 
 # fp32 runs `tl.dot(..., input_precision="ieee")` on FMA units (no tensor cores): exact fp32
@@ -196,8 +206,8 @@ def config_for(m: int, dtype: torch.dtype, n: int = 0) -> GemmConfig:
     """The tile configuration of an [m, K] @ [K, n] product in `dtype`."""
     if dtype == torch.float32:
         return _lookup(CONFIGS_FP32, m)
-    for lo, hi, wide_n, config in WIDE_CONFIGS_16BIT:
-        if lo <= m <= hi and n >= wide_n:
+    for lo, hi, min_n, multiple, config in WIDTH_CONFIGS_16BIT:
+        if lo <= m <= hi and n >= min_n and n % multiple == 0:
             return config
     return _lookup(CONFIGS_16BIT, m)
 
