@@ -130,13 +130,15 @@ WIDTH_CONFIGS_16BIT: list[tuple[int, int, int, int, GemmConfig]] = [
     # consumer a 64-wide and a 32-wide wgmma a step), 8 stages, the wgmmas left in flight: 128 tiles
     # fill the 132 SMs where 128x128 leaves 36 idle. 0.865x cuBLAS at M = 256 against 0.775x for
     # 128x128 (6 stages) and 0.698x for the swapped 256x64 bucket in an earlier call (H200,
-    # sweep_rowtree.py --gluon-only --shapes column --chunks 1, bits checked against the table's kernel).
+    # sweep_rowtree.py --gluon-only --shapes column --chunks 1, bits checked against the table's kernel);
+    # benchmarks/kernels.py's alternating turns read 0.930-0.934x in two calls.
     (129, 256, 96, 96, GemmConfig(block_m=128, block_n=96, group_m=8, num_warps=4, num_stages=8,
                                  warp_specialize=True, gluon=True)),
     # ... and at 257-1,024 rows, tiles of 128 x 192 (a 128- and a 64-wide wgmma a consumer), 4 stages:
     # 0.881 / 0.903x cuBLAS at M = 512 / 1,024 against 0.676 / 0.846x for the bucket's Triton pass on
-    # 128x128 tiles, in the same call (as above). At o_proj's N = 4,096 these widths leave a partial
-    # column of tiles: 0.678 / 0.618x at M = 256 / 1,024 in benchmarks/kernels.py.
+    # 128x128 tiles, in the same call (as above); kernels.py read 0.853-0.864x at 1,024 in two calls.
+    # At o_proj's N = 4,096 these widths leave a partial column of tiles: 0.678 / 0.618x at M = 256 /
+    # 1,024 in kernels.py, hence "a multiple of".
     (257, 1024, 192, 192, GemmConfig(block_m=128, block_n=192, group_m=8, num_warps=4, num_stages=4,
                                    warp_specialize=True, gluon=True)),
 ]

@@ -16,9 +16,13 @@ is explicit, as in Triton's warp-specialised Hopper GEMM:
   slot, so loads keep flowing across the joins and from one tile into the next;
 - two consumer warpgroups, each owning 64 of the tile's 128 rows with its own accumulator and
   pending subtrees (c_{j-1} and the pair in registers, the quad in shared memory), wait for a
-  slot, multiply, free the slot, and join at each chunk's end. They synchronise with nobody but
-  the producer, so one multiplies while the other joins.
-Which warpgroup or program computes an element never changes its sums; nor does the tile order.
+  slot, issue the step's wgmma, free the previous step's slot once its wgmma is done (one left in
+  flight: GemmConfig.wgmma_in_flight), and join at each chunk's end. They synchronise with nobody
+  but the producer, so one multiplies while the other joins.
+A tile's width (block_n) is a power of two, or one plus a smaller one (96 = 64 + 32, 192 = 128 + 64):
+then each step is two wgmmas into two accumulators, so that tiles of qkv's 6,144 columns fill the
+132 SMs. Which warpgroup, product or program computes an element never changes its sums; nor does
+the tile order.
 """
 from __future__ import annotations
 
