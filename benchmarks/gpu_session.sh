@@ -25,7 +25,8 @@
 #   kernels     benchmarks/kernels.py (all kernel tables; the attention tables add vLLM's FA3 as a baseline
 #               where vLLM is installed in /tmp/site: run vllm_a, vllm_b earlier on the same machine)
 #   sweep_rowtree benchmarks/sweep_rowtree.py $SWEEP_ARGS (K-chunk tree GEMM: tile x kernel x split vs cuBLAS
-#               and `linear`; default the row-parallel shapes, `--shapes column --chunks 2` the column ones;
+#               and `linear`; default the row-parallel shapes, `--shapes column --chunks 2` the column ones,
+#               `--gluon-only` the Gluon tiles alone (`--shapes column --chunks 1`: `linear`'s Gluon buckets);
 #               logs named after the args, so one call can run several; $SWEEP_TIMEOUT, default 560 s)
 #   attention   benchmarks/bench_attention.py (tables $ATTENTION_TABLES, default training,prefill,decode)
 #   host_attention benchmarks/host_attention.py (host time a call of the attention ops and their pieces)
