@@ -39,14 +39,15 @@ SPLIT_CONFIGS = [G(64, 128, 8, 4, 4), G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4)
                  G(128, 64, 1, 4, 4, swap_ab=True), G(256, 64, 1, 4, 3, swap_ab=True)]
 SPLITS = [None, 2, 4, 8]  # None: split_for's choice; splits above the chunk count are skipped
 
+
 def _gluon(block_n: int, stages: int, in_flight: int = 1, group_m: int = 8) -> G:
     """The warp-specialised Gluon tree (splitk_ws.py): 128-row tiles, two consumers of 64 rows."""
     return G(128, block_n, group_m, 4, stages, warp_specialize=True, gluon=True, wgmma_in_flight=in_flight)
 
 
 # 128 x 256 tiles and 6 stages of 128 x 128 fit beside a tree's pending quads only for <= 4 chunks
-# (a candidate that does not fit fails and is skipped)
-# (96 and 192 columns: two wgmmas a step, 64 + 32 and 128 + 64)
+# (a candidate that does not fit fails and is skipped); 96 and 192 columns: two wgmmas a step
+# (64 + 32, 128 + 64)
 GLUON_CONFIGS = [_gluon(128, 4, 0), _gluon(128, 4), _gluon(128, 5), _gluon(128, 6), _gluon(128, 4, group_m=4),
                  _gluon(64, 6, 0), _gluon(64, 6), _gluon(64, 8), _gluon(256, 3), _gluon(256, 4),
                  _gluon(96, 6), _gluon(96, 8), _gluon(192, 4), _gluon(96, 6, group_m=1)]
