@@ -1,8 +1,13 @@
-"""The grouped order in which persistent and grid programs visit a 2-D grid of tiles: GROUP row
-tiles (row blocks) sweep the column tiles side by side, so the programs running at once share their
-operand rows in L2 (Triton's matmul tutorial). One definition for the GEMM, the row-parallel tree
-(tl and Gluon) and linear_logp (tl and Gluon, which calls tl functions); it moves no bit, only which
-program computes which tile when."""
+"""Orders shared by the tl and Gluon kernels (a Gluon kernel calls these tl functions).
+
+grouped_tile: the grouped order in which persistent and grid programs visit a 2-D grid of tiles:
+GROUP row tiles (row blocks) sweep the column tiles side by side, so the programs running at once
+share their operand rows in L2 (Triton's matmul tutorial). One definition for the GEMM, the
+row-parallel tree and linear_logp; it moves no bit, only which program computes which tile when.
+
+tree_join: the order in which the row-parallel GEMM's K-chunk products are summed (the canonical
+balanced tree of kernels/rowlinear.py), one definition for splitk.py's tl kernel and splitk_ws.py's
+Gluon one; this one does decide the bits."""
 from __future__ import annotations
 
 import triton
@@ -17,3 +22,30 @@ def grouped_tile(index, n_rows, n_cols, GROUP: tl.constexpr):
     size = tl.minimum(n_rows - first, GROUP)
     idx = index % per_group
     return first + idx % size, idx // size
+
+
+@triton.jit
+def tree_join(acc, j, h1, h2, h4, COUNT: tl.constexpr):
+    """Chunk j's finished product joins the tree like a binary counter: added to its left sibling
+    when j is odd, the pair to its left pair when j % 4 == 3, the quad to its left quad when
+    j % 8 == 7. Returns the holders and the newest subtree (after the last chunk: the root)."""
+    v = acc
+    if COUNT > 1:  # (compile-time guards: a smaller subtree carries fewer holders)
+        if j % 2 == 1:
+            v = h1 + v
+    if COUNT > 2:
+        if j % 4 == 3:
+            v = h2 + v
+    if COUNT > 4:
+        if j % 8 == 7:
+            v = h4 + v
+    if COUNT > 1:
+        if j % 2 == 0:
+            h1 = v
+    if COUNT > 2:
+        if j % 4 == 1:
+            h2 = v
+    if COUNT > 4:
+        if j % 8 == 3:
+            h4 = v
+    return h1, h2, h4, v

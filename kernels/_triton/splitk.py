@@ -28,36 +28,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
-from lockstep.kernels._triton._order import grouped_tile
+from lockstep.kernels._triton._order import grouped_tile, tree_join
 from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, row_config_for, tile_rows
 from lockstep.kernels._triton.splitk_ws import row_tree_ws
-
-
-@triton.jit
-def _join(acc, j, h1, h2, h4, COUNT: tl.constexpr):
-    """Chunk j's finished product joins the tree like a binary counter: added to its left sibling
-    when j is odd, the pair to its left pair when j % 4 == 3, the quad to its left quad when
-    j % 8 == 7. Returns the holders and the newest subtree (after the last chunk: the root)."""
-    v = acc
-    if COUNT > 1:  # (compile-time guards: a smaller subtree carries fewer holders)
-        if j % 2 == 1:
-            v = h1 + v
-    if COUNT > 2:
-        if j % 4 == 3:
-            v = h2 + v
-    if COUNT > 4:
-        if j % 8 == 7:
-            v = h4 + v
-    if COUNT > 1:
-        if j % 2 == 0:
-            h1 = v
-    if COUNT > 2:
-        if j % 4 == 1:
-            h2 = v
-    if COUNT > 4:
-        if j % 8 == 3:
-            h4 = v
-    return h1, h2, h4, v
 
 
 @triton.jit
@@ -86,7 +59,7 @@ def _subtree(x_desc, w_desc, off_m, off_n, K_CHUNK, K_PAD, first, COUNT: tl.cons
     c * K_PAD (K_PAD >= K_CHUNK, whole BLOCK_K steps; the padding holds zeros).
 
     Each chunk's product accumulates from zero over its BLOCK_K steps in ascending k, then joins
-    the tree (_join). Two loop structures, the same operations in the same order:
+    the tree (_order.tree_join). Two loop structures, the same operations in the same order:
     - PER_CHUNK_LOOPS (a subtree of at most 4 chunks): one pipelined K loop per chunk, unrolled, so
       the MMAs stay asynchronous inside each (the tree joins between loops);
     - otherwise one pipelined loop over every chunk's steps, the join at each chunk's last step:
@@ -105,7 +78,7 @@ def _subtree(x_desc, w_desc, off_m, off_n, K_CHUNK, K_PAD, first, COUNT: tl.cons
             acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
             for ki in range(0, steps):
                 acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + ki * BLOCK_K, acc, WIDEN_OPERANDS, SWAP)
-            h1, h2, h4, root = _join(acc, j, h1, h2, h4, COUNT)
+            h1, h2, h4, root = tree_join(acc, j, h1, h2, h4, COUNT)
     else:
         acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
         for i in range(0, COUNT * steps):
@@ -113,7 +86,7 @@ def _subtree(x_desc, w_desc, off_m, off_n, K_CHUNK, K_PAD, first, COUNT: tl.cons
             ki = i - j * steps
             acc = _step(x_desc, w_desc, off_m, off_n, (first + j) * K_PAD + ki * BLOCK_K, acc, WIDEN_OPERANDS, SWAP)
             if ki == steps - 1:  # chunk j is complete: join the tree
-                h1, h2, h4, root = _join(acc, j, h1, h2, h4, COUNT)
+                h1, h2, h4, root = tree_join(acc, j, h1, h2, h4, COUNT)
                 acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
     return root
 

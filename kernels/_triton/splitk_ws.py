@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lockstep.kernels._triton._device import resident_programs
-from lockstep.kernels._triton._order import grouped_tile
+from lockstep.kernels._triton._order import grouped_tile, tree_join
 from lockstep.kernels._triton.matmul_configs import GemmConfig
 
 HALF = 64  # rows of a tile per consumer warpgroup (one wgmma M side)
@@ -95,24 +95,14 @@ def _producer(x_desc, w_desc, wt_desc, x0_smem, x1_smem, w_smem, wt_smem, ready,
 
 @gluon.jit
 def _join(v, j, h1, h2, quad_smem, layout: gl.constexpr, CHUNKS: gl.constexpr):
-    """Chunk j's finished product v joins the tree (splitk._join's binary counter; the quad waits in
-    quad_smem). Returns the holders and the newest subtree (after the last chunk: the root)."""
-    if CHUNKS > 1:
-        if j % 2 == 1:
-            v = h1 + v
-    if CHUNKS > 2:
-        if j % 4 == 3:
-            v = h2 + v
-    if CHUNKS > 4:
+    """Chunk j's finished product v joins the tree (_order.tree_join): the pairs in registers, the
+    quad waiting in quad_smem instead of a third register holder. Returns the holders and the newest
+    subtree (after the last chunk: the root)."""
+    PAIRS: gl.constexpr = 4 if CHUNKS > 4 else CHUNKS
+    h1, h2, _, v = tree_join(v, j, h1, h2, h2, PAIRS)  # (its quad holder unused below 8 chunks)
+    if CHUNKS > 4:  # the quad's join, after the pair's, as in tree_join
         if j % 8 == 7:
             v = quad_smem.load(layout) + v  # each thread reads back only what it stored
-    if CHUNKS > 1:
-        if j % 2 == 0:
-            h1 = v
-    if CHUNKS > 2:
-        if j % 4 == 1:
-            h2 = v
-    if CHUNKS > 4:
         if j % 8 == 3:
             quad_smem.store(v)
     return h1, h2, v
