@@ -1,10 +1,10 @@
 """Tuning sweep for the Triton attention kernels on the GPU at hand (bf16, Qwen3-8B heads).
 
     python benchmarks/sweep_attention.py [--entries decode,prefill,prefill_linear,bwd_dkdv,bwd_dq]
-                                         [--train-seqs N] [--only KEY=VALUE]
+                                         [--train-seqs N] [--decode-cases BxC,...] [--only KEY=VALUE]
 
 Decode (one query per request, 16-token pages in random order) at the rollout workload's shape
-(batch 128, 600 keys) and at the decode table's corners, a 4k-token prefill (paged), and training's
+(batch 128, 600 keys) and at the decode table's corners (or --decode-cases), a 4k-token prefill (paged), and training's
 forward and backward (varlen, N = 4 packed 4,096-token sequences by default, bench_attention.py's
 larger training row; N = 1 its smaller one). Every candidate of kernels/_triton/attention.py's
 TUNING entry (num_stages x PREFETCH x TMA, the K/V load schedule; GLUON, the warp-specialised forms
@@ -66,7 +66,7 @@ CANDIDATES = {
     # producer warp bringing the blocks through TMA): the tl kernel's sums at BLOCK_Q 64
     + [dict(BLOCK_Q=64, BLOCK_KV=kv, GLUON=True, GLUON_STAGES=st) for kv in (32, 64) for st in (2, 3, 4)],
     "decode": [dict(SWAP=False, num_stages=3, PREFETCH=False, PROGRAMS_PER_SM=4)]
-    + [dict(SWAP=True, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (2, 3, 4) for n in (2, 4)]
+    + [dict(SWAP=True, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (2, 3) for n in (2, 3, 4)]
     + [dict(SWAP=True, num_stages=3, PREFETCH=True, PROGRAMS_PER_SM=4)],
 }
 
@@ -145,6 +145,8 @@ def main() -> None:
     p.add_argument("--entries", default="decode,prefill", help="TUNING entries to sweep (decode, prefill, "
                    "prefill_linear, bwd_dkdv, bwd_dq)")
     p.add_argument("--train-seqs", type=int, default=4, help="4,096-token sequences of the training case")
+    p.add_argument("--decode-cases", default=",".join(f"{b}x{c}" for b, c in DECODE),
+                   help="decode shapes BATCHxCONTEXT, comma-separated")
     p.add_argument("--only", default="", help="KEY=VALUE: only the candidates whose KEY is VALUE (e.g. GLUON=True)")
     args = p.parse_args()
     entries, train_seqs = args.entries.split(","), args.train_seqs
@@ -163,7 +165,7 @@ def main() -> None:
             if entry in entries:
                 sweep(entry, f"training backward, {train_seqs} x 4,096 packed", backward)
         if "decode" in entries:
-            for batch, context in DECODE:
+            for batch, context in (map(int, case.split("x")) for case in args.decode_cases.split(",")):
                 sweep("decode", f"batch {batch} x {context} keys", _case(batch, context, 1))
         if "prefill" in entries:
             for tokens in PREFILL:

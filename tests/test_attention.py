@@ -296,7 +296,7 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
     # decode tiles with and without their dots' operands swapped
     for prefill, decode_tiles in [(dict(BLOCK_Q=64, num_warps=4), dict(SWAP=False, MIN_ROWS=128, num_warps=8)),
                                   (dict(BLOCK_Q=256, num_stages=2), dict(SWAP=False, MIN_ROWS=64, num_stages=2)),
-                                  (dict(BLOCK_Q=128), dict(SWAP=True, num_stages=2))]:
+                                  (dict(BLOCK_Q=128), dict(SWAP=True, num_stages=3))]:
         monkeypatch.setitem(triton_backend.TUNING, "prefill", {**triton_backend.TUNING["prefill"], **prefill})
         monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], **decode_tiles})
         assert torch.equal(K.varlen_attention(q, k, v, cu), ref)
@@ -313,11 +313,14 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
     for per_sm in (0, 64):
         monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], "PROGRAMS_PER_SM": per_sm})
         assert torch.equal(K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last), decode), per_sm
-    # several chunks a program (7 chunks on 4 programs)
-    q, k, v, cu = _packed([200], 4, 1, 16, device=TRITON_DEVICE)
+    # several chunks a program (10 chunks on 4 programs), merged in two steps of _MERGE_AHEAD (8)
+    # loads, the second with 6 past the last state; and 5 chunks on 4 programs
     monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], "PROGRAMS_PER_SM": 1})
-    got = K.causal_attention(q[None, 199:], k[None], v[None], torch.tensor([[199]], device=TRITON_DEVICE))
-    assert torch.equal(got[0, 0], K.varlen_attention(q, k, v, cu)[199])
+    assert triton_backend._MERGE_AHEAD.value == 8
+    for n in (300, 150):
+        q, k, v, cu = _packed([n], 4, 1, 16, device=TRITON_DEVICE)
+        got = K.causal_attention(q[None, n - 1:], k[None], v[None], torch.tensor([[n - 1]], device=TRITON_DEVICE))
+        assert torch.equal(got[0, 0], K.varlen_attention(q, k, v, cu)[n - 1]), n
 
 
 _MMA_PROBE = r"""
@@ -580,7 +583,7 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
 
     monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "SWAP": swap, "PROGRAMS_PER_SM": per_sm})
     assert A.decode_swapped(128) == swap
-    lens = [1500, 700, 257, 64]
+    lens = [3000, 1500, 700, 257, 64]  # 3,000 keys: 12 chunks, merged in two steps of _MERGE_AHEAD loads
     q, k, v, cu = _packed(lens, 32, 8, 128, torch.bfloat16, "cuda")
     train = K.varlen_attention(q, k, v, cu)
     gen = torch.Generator().manual_seed(3)

@@ -64,6 +64,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
+from lockstep.kernels._triton._tickets import zeroed_tickets
 from lockstep.kernels._triton._tma import install_descriptor_allocator
 from lockstep.kernels._triton.splitk_ws import gluon_descriptor, invalidate_ring, ring_barriers
 
@@ -112,9 +113,17 @@ TUNING = {
     # program merges in registers. SWAP: the dots run with their operands swapped, the heads as the
     # MMA's N side padded to 16 (where head_dim and KV_BLOCK keep every dot on wgmma); else the heads
     # are the M side, padded to MIN_ROWS (232 registers at P = 1: two programs per SM, each block's
-    # q.k -> softmax -> P@V chain latency-bound). PROGRAMS_PER_SM: the grid aims for that many
-    # programs per SM (a sequence's chunks split across up to that many programs at small batch)
-    "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=4, num_warps=4, num_stages=3, PREFETCH=False),
+    # q.k -> softmax -> P@V chain latency-bound). PROGRAMS_PER_SM: the programs an SM holds at once
+    # (swapped, split: 71.7 KB of shared memory each at 2 or 3 stages, so 3 on an H200); at small
+    # batch a sequence's chunks split across as many programs as make one wave of them, never more
+    # (a second, part-full wave of a program's whole walk costs more than the split saves).
+    # Within a program a block's K/V loads are issued after the previous block's P@V (Triton's
+    # pipeliner, one block ahead behind the page-table load), so the programs an SM holds are what
+    # overlaps loads with compute. The seventeenth session (H200, CUDA graphs, A/B against the
+    # sixteenth's table in one call): 2 stages and one wave of 3 an SM took batch 16 x 16k keys
+    # from 342 to 304 us and 16 x 4k from 99 to 89 us; 3 stages and 4 an SM (rounded up: 1.3-1.6
+    # waves) as before
+    "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
@@ -149,6 +158,7 @@ _SUM_COLS = tl.constexpr(16)  # width of the ones matrix that computes row sums 
 # mma.sync below it: a different instruction (tests/test_attention.py compares what each kernel runs)
 _WGMMA_M = 64
 _SUM_ROWS = tl.constexpr(_WGMMA_M)  # swapped tiles: height of the ones matrix (the row-sum dot's M side)
+_MERGE_AHEAD = tl.constexpr(8)  # chunk states a split decode's merge loads before merging the first of them
 _LOG2E = 1.4426950408889634
 
 
@@ -479,6 +489,9 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                                None, None, 0, 0, ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH, SWAP, False)
         _store_rows(out, lse, tok * n_heads + head, keep, m, l, acc, D, SWAP)
         return
+    # a loop per chunk: its state's store then falls between two loops, not inside one, and takes no
+    # shared memory beside the pipelined K/V buffers (a loop over all the program's blocks storing
+    # each chunk's state in it took 78 KB a program, two programs an SM, and ran 0.91-0.97x this)
     for chunk in range(p, n_need, n_programs):
         m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot,
                                  qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP)
@@ -490,6 +503,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     tl.debug_barrier()  # every thread's stores precede the release
     ticket = tl.atomic_add(tickets + seq * tl.num_programs(1) + kv_head, mine, sem="acq_rel", scope="gpu")
     if ticket + mine == n_need:  # this program stored the last of the chunk states
+        tl.atomic_xchg(tickets + seq * tl.num_programs(1) + kv_head, 0, sem="relaxed", scope="gpu")  # _tickets.py
         # the merge is elementwise per row: only the group's real rows (a power of two >= GROUP)
         g = tl.arange(0, MERGE_ROWS)
         tok_g, head_g = _rows(g, begin, 1, kv_head, GROUP)
@@ -497,11 +511,18 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
         m_t = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
         l_t = tl.zeros((MERGE_ROWS,), tl.float32)
         acc_t = tl.zeros((MERGE_ROWS, D), tl.float32)
-        for c in range(0, n_need):  # written by other programs: read from L2 (.cg)
-            at = first_g + c * GROUP
-            acc_c = tl.load(part_acc + _tile_offsets(at, D, False), cache_modifier=".cg")
-            m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, tl.load(part_m + at, cache_modifier=".cg"),
-                                     tl.load(part_l + at, cache_modifier=".cg"), acc_c, False)
+        # chunk order, _MERGE_AHEAD states a step: their loads (written by other programs: from L2, .cg)
+        # are independent of the merges, so they are all in flight before the first merge needs one;
+        # a state past the last is loaded masked and its merge's result not kept (a select: exact)
+        for c_step in range(0, n_need, _MERGE_AHEAD):
+            for i in tl.static_range(_MERGE_AHEAD):
+                c = c_step + i
+                at = first_g + c * GROUP
+                here = c < n_need
+                acc_c = tl.load(part_acc + _tile_offsets(at, D, False), mask=here, other=0.0, cache_modifier=".cg")
+                m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, tl.load(part_m + at, mask=here, other=0.0, cache_modifier=".cg"),
+                                         tl.load(part_l + at, mask=here, other=0.0, cache_modifier=".cg"), acc_c, False)
+                m_t, l_t, acc_t = tl.where(here, m_n, m_t), tl.where(here, l_n, l_t), tl.where(here, acc_n, acc_t)
         _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False)
 
 
@@ -1443,16 +1464,16 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
         raise ValueError("attention (triton): TUNING['decode'] has num_stages=1 with SWAP: swapped decode tiles "
                          "unpipelined made an illegal memory access on an H200 (Triton 3.6); use num_stages >= 2")
     n_chunks = triton.cdiv(keys.max_count, KV_CHUNK)
-    # programs per (sequence, kv head): enough to give every SM a few at small batch, at most one per chunk
-    per_seq = max(1, min(n_chunks, triton.cdiv(cfg["PROGRAMS_PER_SM"] * resident_programs(q.device),
-                                               n_seqs * keys.n_heads)))
+    # programs per (sequence, kv head): as many as make one wave of PROGRAMS_PER_SM an SM at small
+    # batch, at most one per chunk; one where the batch alone fills the wave
+    per_seq = max(1, min(n_chunks, cfg["PROGRAMS_PER_SM"] * resident_programs(q.device) // (n_seqs * keys.n_heads)))
     states = (n_seqs, keys.n_heads, n_chunks, group) if per_seq > 1 else (1,)  # one program: merged in registers
     part_m = torch.empty(states, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((*states, d), device=q.device, dtype=torch.float32)
-    # ticket counters start at zero (a memset node in a graph); one program per sequence takes none
-    tickets = (torch.zeros((n_seqs, keys.n_heads), device=q.device, dtype=torch.int32) if per_seq > 1
-               else torch.empty((1,), device=q.device, dtype=torch.int32))
+    # ticket counters (one per sequence and kv head) that the merging programs leave at zero; one
+    # program per sequence takes none
+    tickets = zeroed_tickets(q.device, n_seqs * keys.n_heads if per_seq > 1 else 1)
     _decode_chunk_kernel[(per_seq, keys.n_heads, n_seqs)](
         q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, *_query_args(queries),
         *_page_args(keys), q.shape[1], qk_scale, n_chunks, GROUP=group, ROWS=decode_rows(group, d),

@@ -10,7 +10,7 @@ root rounded once to x's dtype (unsharded) or returned in fp32 (a TP rank's subt
 How, without an M-dependent order: SPLIT programs share an output tile, each computing one
 subtree of CHUNKS / SPLIT consecutive chunks in registers. SPLIT = 1: the program holds the whole
 tree and writes the tile. SPLIT > 1: every program writes its fp32 subtree root to a workspace and
-takes a ticket from the tile's counter; the last to arrive adds the SPLIT roots in the tree's own
+takes a ticket from the tile's counter (_tickets.py); the last to arrive adds the SPLIT roots in the tree's own
 order (they are its top levels) and writes the tile. Which program finishes a tile, and SPLIT
 itself (chosen from the tile count to fill the SMs at small M), change only where a sum is done,
 never which sums: every SPLIT gives the same bits, which is what lets decode-sized products use
@@ -28,6 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
+from lockstep.kernels._triton._tickets import zeroed_tickets
 from lockstep.kernels._triton._order import grouped_tile, tree_join
 from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, row_config_for, tile_rows
 from lockstep.kernels._triton.splitk_ws import row_tree_ws
@@ -146,6 +147,7 @@ def _row_tree_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK,
         tl.debug_barrier()  # every thread's stores precede the release
         ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT - 1:
+            tl.atomic_xchg(ticket_ptr + tile, 0, sem="relaxed", scope="gpu")  # left at zero (_tickets.py)
             total = _root(ws, plane, inside, SPLIT)
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=inside)
 
@@ -214,7 +216,7 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
         raise ValueError(f"row_tree: split {split} must be 1, 2, 4 or 8 and at most the {chunks} chunks")
     if split > 1:
         ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        tickets = torch.zeros(tiles, dtype=torch.int32, device=x.device)  # per call (a memset node in a CUDA graph)
+        tickets = zeroed_tickets(x.device, tiles)  # left at zero by each tile's last program
     else:
         ws = tickets = out
     _row_tree_kernel[(tiles, split)](
