@@ -615,10 +615,14 @@ def test_gpu_row_parallel_linear_row_invariant_qwen3_8b(k):
         assert torch.equal(row_tree(xs, ws, k // 8, torch.float32),
                            row_tree(xs, ws, k // 8, torch.float32, split=1, config=tl_tile)), chunks
     for m in (128, 1024):
-        graph, eager = torch.cuda.CUDAGraph(), K.row_parallel_linear(x[:m], w)
-        with torch.cuda.graph(graph):
+        graph, eager, stream = torch.cuda.CUDAGraph(), K.row_parallel_linear(x[:m], w), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # the capture stream's ticket counters made outside the graph
+            K.row_parallel_linear(x[:m], w)
+        stream.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
             captured = K.row_parallel_linear(x[:m], w)
-        for _ in range(3):  # every replay zeroes its tickets again (a memset node of the graph)
+        for _ in range(3):  # each tile's last program leaves its ticket at zero for the next replay
             graph.replay()
             assert torch.equal(captured, eager)
 
