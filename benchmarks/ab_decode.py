@@ -1,6 +1,7 @@
 """Decode attention A/B: another revision's Triton attention module against this tree's, on the decode
-table's shapes (bf16, Qwen3-8B heads, 16-key pages in random order), paired CUDA-graph timing (the two
-sides alternate, the median turn of each kept) and the outputs compared bit for bit.
+table's shapes (sweep_attention.paged_inputs: bf16, Qwen3-8B heads, 16-key pages in random order),
+paired CUDA-graph timing (the two sides alternate, the median turn of each kept) and the outputs
+compared bit for bit.
 
     git show REV:kernels/_triton/attention.py > OLD.py      # here; carry OLD.py to the GPU host
     python benchmarks/ab_decode.py OLD.py [BxC,...]          # default: the decode table's corners
@@ -8,19 +9,17 @@ sides alternate, the median turn of each kept) and the outputs compared bit for 
 from __future__ import annotations
 
 import importlib.util
-import math
 import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _harness import paired_graph_ms  # noqa: E402
+from sweep_attention import paged_inputs  # noqa: E402
 from lockstep.kernels._triton import attention as NEW  # noqa: E402
 
-HEADS, KV_HEADS, D, PAGE = 32, 8, 128, 16
 CASES = "1x1024,1x4096,1x16384,16x1024,16x4096,16x16384,64x1024,64x4096,64x16384,256x1024,128x600"
 
 
@@ -39,16 +38,8 @@ def main() -> None:
     cases = [tuple(map(int, c.split("x"))) for c in (sys.argv[2] if len(sys.argv) > 2 else CASES).split(",")]
     print("| batch | context | other us | this tree us | other / this | bits |\n|---|---|---|---|---|---|")
     for batch, context in cases:
-        g = torch.Generator(device="cuda").manual_seed(batch * 7 + context)
-        pages = batch * triton.cdiv(context, PAGE)
-        k_cache, v_cache = (torch.randn(pages, KV_HEADS, PAGE, D, device="cuda", dtype=torch.bfloat16, generator=g)
-                            for _ in range(2))
-        table = torch.randperm(pages, device="cuda", dtype=torch.int32, generator=g).view(batch, -1)
-        q = torch.randn(batch, HEADS, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-        qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
-        sides = [lambda m=m: m._paged(q, k_cache, v_cache, table, lens, qsl, 1 / math.sqrt(D), 1, context)
-                 for m in (old, NEW)]
+        args = paged_inputs(batch, context, 1)
+        sides = [lambda m=m: m._paged(*args) for m in (old, NEW)]
         same = torch.equal(sides[0](), sides[1]()) and torch.equal(sides[1](), sides[1]())
         a, b = paired_graph_ms(*sides)
         print(f"| {batch} | {context} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.3f} | {'same' if same else 'DIFFER'} |",

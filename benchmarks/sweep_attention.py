@@ -71,7 +71,9 @@ CANDIDATES = {
 }
 
 
-def _case(batch: int, context: int, queries: int):
+def paged_inputs(batch: int, context: int, queries: int) -> tuple:
+    """The arguments of paged_attention for `batch` requests of `context` keys (16-key pages in random
+    order) and `queries` new tokens each, seeded by the shape."""
     g = torch.Generator(device="cuda").manual_seed(batch * 7 + context)
     r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
     pages = batch * triton.cdiv(context, PAGE)
@@ -80,7 +82,12 @@ def _case(batch: int, context: int, queries: int):
     q = r(batch * queries, HEADS, D)
     seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * queries
-    return lambda: K.paged_attention(q, k_cache, v_cache, table, seq_lens, qsl, 1 / math.sqrt(D), queries, context)
+    return q, k_cache, v_cache, table, seq_lens, qsl, 1 / math.sqrt(D), queries, context
+
+
+def _case(batch: int, context: int, queries: int):
+    args = paged_inputs(batch, context, queries)
+    return lambda: K.paged_attention(*args)
 
 
 def _training_case(tokens: int = 4 * 4096, seq: int = 4096):

@@ -1472,9 +1472,9 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     part_m = torch.empty(states, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((*states, d), device=q.device, dtype=torch.float32)
-    # ticket counters (one per sequence and kv head) that the merging programs leave at zero; one
-    # program per sequence takes none
-    tickets = zeroed_tickets(q.device, n_seqs * keys.n_heads if per_seq > 1 else 1)
+    # ticket counters (one per sequence and kv head; one program per sequence takes none) that the
+    # merging programs leave at zero
+    tickets = zeroed_tickets(q.device, n_seqs * keys.n_heads)
     _decode_chunk_kernel[(per_seq, keys.n_heads, n_seqs)](
         q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, *_query_args(queries),
         *_page_args(keys), q.shape[1], qk_scale, n_chunks, GROUP=group, ROWS=decode_rows(group, d),
