@@ -67,7 +67,10 @@ CANDIDATES = {
     + [dict(BLOCK_Q=64, BLOCK_KV=kv, GLUON=True, GLUON_STAGES=st) for kv in (32, 64) for st in (2, 3, 4)],
     "decode": [dict(SWAP=False, num_stages=3, PREFETCH=False, PROGRAMS_PER_SM=4)]
     + [dict(SWAP=True, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (2, 3) for n in (2, 3, 4)]
-    + [dict(SWAP=True, num_stages=3, PREFETCH=True, PROGRAMS_PER_SM=4)],
+    + [dict(SWAP=True, num_stages=3, PREFETCH=True, PROGRAMS_PER_SM=4)]
+    # more programs a (sequence, kv head) than one wave at batch 64 and 256 (a pair's chunks split over
+    # 2-16 programs): whole waves against the last wave part full
+    + [dict(SWAP=True, num_stages=2, PREFETCH=False, PROGRAMS_PER_SM=n) for n in (8, 12, 16, 32, 64)],
 }
 
 

@@ -4,7 +4,9 @@
     python benchmarks/sweep_gemm.py --m 128    # one M, each shape (and the LM head) on its own
     python benchmarks/sweep_gemm.py --large    # warp-specialised tiles against the table at M = 256 ..
                                                # 4096 on qkv and gate_up, bits checked first
-    python benchmarks/sweep_gemm.py --column   # the buckets up to 256 rows judged on qkv and gate_up
+    python benchmarks/sweep_gemm.py --column [--block-m 64]
+                                               # the buckets up to 256 rows (or those of 64-row x tiles,
+                                               # at M <= 64) judged on qkv and gate_up
                                                # alone (what the model runs through `linear`; o and
                                                # down run the row-parallel tree), swapped tiles too,
                                                # each candidate's bits checked against the table's
@@ -47,7 +49,9 @@ COLUMN_DECODE = [G(64, 64, 1, 4, 8, swap_ab=True), G(64, 128, 1, 4, 8, swap_ab=T
                  # streams the weight, two consumers take 64 of a program's 128 weight rows each
                  G(64, 128, 1, 4, 4, swap_ab=True, warp_specialize=True),
                  G(128, 128, 1, 4, 4, swap_ab=True, warp_specialize=True),
-                 G(256, 128, 1, 4, 3, swap_ab=True, warp_specialize=True)]
+                 G(256, 128, 1, 4, 3, swap_ab=True, warp_specialize=True),
+                 # the M <= 64 bucket's swapped tiles with more weight in flight (96 programs at qkv's N)
+                 *(G(64, n, 1, 4, s, swap_ab=True) for n, s in ((64, 10), (64, 12), (64, 14), (128, 10), (128, 12)))]
 
 # Warp-specialised candidates (a producer warpgroup and two 64-row consumer warpgroups per
 # 128-row tile, persistent) for the buckets from 129 rows on, against the table's configs.
@@ -115,14 +119,17 @@ def _same_bits(candidates: list[mc.GemmConfig], check_ms: tuple[int, ...]) -> li
 COLUMN_SHAPES = [s for s in QWEN3_8B_PROJECTIONS if s[0] in ("qkv", "gate_up")]
 
 
-def column() -> None:
-    """COLUMN_DECODE at M = 1 .. 256 on qkv and gate_up, bits checked first at Ms that take one,
-    two or several x tiles."""
-    for cfg in _same_bits(COLUMN_DECODE, (1, 8, 17, 64, 100, 128, 200, 256)):
-        per_m = [ratio(cfg, [m], [shape]) for shape in COLUMN_SHAPES for m in (1, 8, 64, 128, 256)]
-        print(f"column M<=64 geomean {statistics.geometric_mean(per_m[:3] + per_m[5:8]):.3f}  qkv M=1,8,64,128,256 "
-              f"{' '.join(f'{r:.3f}' for r in per_m[:5])}  gate_up {' '.join(f'{r:.3f}' for r in per_m[5:])}  {cfg}",
-              flush=True)
+def column(block_m: int | None = None) -> None:
+    """COLUMN_DECODE (those of `block_m` x rows a tile, if given: at M <= block_m only) at M = 1 .. 256
+    on qkv and gate_up, bits checked first at Ms that take one, two or several x tiles."""
+    ms = [m for m in (1, 8, 64, 128, 256) if block_m is None or m <= block_m]
+    cands = [c for c in COLUMN_DECODE if block_m is None or c.block_m == block_m]
+    for cfg in _same_bits(cands, (1, 8, 17, 64, 100, 128, 200, 256)):
+        per_m = [ratio(cfg, [m], [shape]) for shape in COLUMN_SHAPES for m in ms]
+        small = [r for i, r in enumerate(per_m) if ms[i % len(ms)] <= 64]
+        print(f"column M<=64 geomean {statistics.geometric_mean(small):.3f}  qkv M={','.join(map(str, ms))} "
+              f"{' '.join(f'{r:.3f}' for r in per_m[:len(ms)])}  gate_up {' '.join(f'{r:.3f}' for r in per_m[len(ms):])}"
+              f"  {cfg}", flush=True)
 
 
 def large() -> None:
@@ -150,8 +157,8 @@ def per_shape(m: int) -> None:
 
 def main() -> None:
     K.set_backend("triton")
-    if "--column" in sys.argv:
-        column()
+    if "--column" in sys.argv:  # --column [--block-m 64]: only the tiles of that many x rows, at M <= it
+        column(int(sys.argv[sys.argv.index("--block-m") + 1]) if "--block-m" in sys.argv else None)
         return
     if "--large" in sys.argv:
         large()

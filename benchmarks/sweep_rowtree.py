@@ -34,7 +34,7 @@ MS = [1, 8, 64, 128, 256, 512, 1024, 4096]
 SPLIT_CONFIGS = [G(64, 128, 8, 4, 4), G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4),
                  # swapped operands (weight rows as the MMA's M side; see matmul_configs.py)
                  G(64, 64, 1, 4, 4, swap_ab=True), G(64, 64, 1, 4, 6, swap_ab=True), G(64, 128, 1, 4, 4, swap_ab=True),
-                 G(64, 64, 1, 4, 4, 2, swap_ab=True),
+                 G(64, 64, 1, 4, 4, 2, swap_ab=True), G(64, 64, 1, 4, 8, swap_ab=True), G(64, 128, 1, 4, 6, swap_ab=True),
                  # 128 or 256 rows of x on the N side: M = 128 and 256 (still unswapped, 0.68-0.86x)
                  G(128, 64, 1, 4, 4, swap_ab=True), G(256, 64, 1, 4, 3, swap_ab=True)]
 SPLITS = [None, 2, 4, 8]  # None: split_for's choice; splits above the chunk count are skipped
@@ -55,7 +55,11 @@ WHOLE_TREE_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 
                       G(128, 64, 8, 4, 4), *GLUON_CONFIGS]
 
 
-def candidates(m: int, chunks: int, whole_only: bool = False, gluon_only: bool = False):
+def candidates(m: int, chunks: int, whole_only: bool = False, gluon_only: bool = False, swapped_only: bool = False):
+    if swapped_only:
+        yield from ((cfg, split) for cfg in SPLIT_CONFIGS if cfg.swap_ab and cfg.block_m == 64
+                    for split in SPLITS if not split or split <= chunks)
+        return
     if gluon_only:
         yield from ((cfg, 1) for cfg in GLUON_CONFIGS)
         return
@@ -74,6 +78,8 @@ def main() -> None:
     p.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated row counts (default: %(default)s)")
     p.add_argument("--whole-only", action="store_true", help="only whole-tree (split 1) candidates, at every M")
     p.add_argument("--gluon-only", action="store_true", help="only the Gluon tree's candidates, at every M")
+    p.add_argument("--swapped-only", action="store_true",
+                   help="only the swapped 64-row split candidates (the M <= 64 bucket's kind), at every M")
     args = p.parse_args()
     K.set_backend("triton")
     lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shapes} shapes, "
@@ -93,7 +99,7 @@ def main() -> None:
             linear = graph_ms_per_call(lambda: K.linear(x, w)) * 1e3
             default = graph_ms_per_call(lambda: row_tree(x, w, chunk, x.dtype)) * 1e3
             best = (default, "default")
-            for cfg, split in candidates(m, args.chunks, args.whole_only, args.gluon_only):
+            for cfg, split in candidates(m, args.chunks, args.whole_only, args.gluon_only, args.swapped_only):
                 key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm,
                        "swap" if cfg.swap_ab else f"gluon{cfg.wgmma_in_flight}" if cfg.gluon else "-", cfg.group_m,
                        split or "auto")

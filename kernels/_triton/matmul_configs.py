@@ -80,12 +80,17 @@ BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     # Decode and small batches: the weight read dominates and there is no split-K to add
     # parallelism. Swapped operands (weight rows as the wgmma's 64-row M side, x's rows as its
-    # 16-64-wide N side): 64 weight rows per program (96 programs at qkv's N = 6144), eight stages of
+    # 16-64-wide N side): 64 weight rows per program (96 programs at qkv's N = 6144), ten stages of
     # 8 KiB of weight each in flight, and no 64-row zero padding of x in every stage. Swept on an H200
     # (benchmarks/sweep_gemm.py --column, bits checked against the unswapped kernel): 0.90-1.01x cuBLAS
     # on qkv and gate_up at M = 1 and 8, against 0.53-0.81x for the unswapped 64x128 tiles with two
-    # programs per SM; 8 * (64 + 16) * 64 * 2 B = 80 KiB at M <= 16.
-    (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=8, swap_ab=True)),
+    # programs per SM (at 8 stages); 10 * (64 + 16) * 64 * 2 B = 100 KiB at M <= 16.
+    # 10 stages (eighteenth session, sweep_gemm.py --column --block-m 64, one call): qkv 0.916 / 0.891 /
+    # 0.885x cuBLAS at M = 1 / 8 / 64 against 0.886 / 0.808 / 0.888 for 8 stages, gate_up at M = 1 / 8
+    # 0.913 / 1.001 against 0.903 / 0.999. 12 stages: qkv 0.912 / 0.924 / 0.880, but gate_up 0.846 /
+    # 0.920 (120 KiB: one program an SM for its 384; 100 KiB keeps two); 14 stages 0.833-0.887 on qkv.
+    # qkv's 96 programs leave 36 SMs idle, so each one's bytes in flight set the rate.
+    (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=10, swap_ab=True)),
     # 65-128 rows (the 8B rollout's decode batch) at N < 16,384 (qkv): swapped, all 128 rows of x as
     # the N side of 64-weight-row programs: 0.795x cuBLAS on qkv at M = 128 against 0.672x for the
     # bucket below (H200, sweep_gemm.py --column, bits checked against the unswapped kernel at M = 100
