@@ -51,7 +51,13 @@ COLUMN_DECODE = [G(64, 64, 1, 4, 8, swap_ab=True), G(64, 128, 1, 4, 8, swap_ab=T
                  G(128, 128, 1, 4, 4, swap_ab=True, warp_specialize=True),
                  G(256, 128, 1, 4, 3, swap_ab=True, warp_specialize=True),
                  # the M <= 64 bucket's swapped tiles with more weight in flight (96 programs at qkv's N)
-                 *(G(64, n, 1, 4, s, swap_ab=True) for n, s in ((64, 10), (64, 12), (64, 14), (128, 10), (128, 12)))]
+                 *(G(64, n, 1, 4, s, swap_ab=True) for n, s in ((64, 10), (64, 12), (64, 14), (128, 10), (128, 12))),
+                 # ... in Gluon (swap_ws.py): a producer warp, one consumer warpgroup, `steps` K steps a barrier
+                 *(G(64, 64, 1, 4, s, swap_ab=True, warp_specialize=True, gluon=True, steps_per_stage=steps)
+                   for s, steps in ((10, 1), (12, 1), (5, 2), (6, 2), (3, 4))),
+                 # ... and up to 128 rows of x (the 8B rollout's decode batch): 24 KiB a step
+                 *(G(128, 64, 1, 4, s, swap_ab=True, warp_specialize=True, gluon=True, steps_per_stage=steps)
+                   for s, steps in ((8, 1), (4, 2), (3, 3)))]
 
 # Warp-specialised candidates (a producer warpgroup and two 64-row consumer warpgroups per
 # 128-row tile, persistent) for the buckets from 129 rows on, against the table's configs.

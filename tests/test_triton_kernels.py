@@ -279,7 +279,8 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
     gluon = replace(ws, gluon=True)  # on the CPU (the interpreter): the tl kernel with its tile
     # a Gluon width of two products (96 = 64 + 32) runs in the tl kernel as its first product's width
     assert mc.tl_tile(replace(gluon, block_n=96, num_stages=8)) == replace(ws, block_n=64, num_stages=4)
-    for cfg, ms in ((ws, (1, 130, 300)), (swapped, (1, 40)), (gluon, (1, 130)), (replace(gluon, block_n=96), (130,))):
+    for cfg, ms in ((ws, (1, 130, 300)), (swapped, (1, 40)), (gluon, (1, 130)), (replace(gluon, block_n=96), (130,)),
+                    (replace(gluon, block_m=32, block_n=64, swap_ab=True, steps_per_stage=2), (1, 40))):
         monkeypatch.setattr(mc, "CONFIGS_FP32", [(None, cfg)])
         for m in ms:
             assert torch.equal(K.linear(x[:m], w, bias), plain[m]), (cfg, m)
@@ -292,9 +293,28 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
     for bad in (dict(block_m=64), dict(num_warps=8), dict(block_m=32, block_n=64, swap_ab=True)):
         with pytest.raises(ValueError, match="warp_specialize"):
             replace(ws, **bad)
-    for bad in (dict(warp_specialize=False), dict(block_m=256), dict(block_m=32, block_n=128, swap_ab=True)):
+    for bad in (dict(warp_specialize=False), dict(block_m=256)):
         with pytest.raises(ValueError, match="gluon is the warp-specialised schedule"):
             replace(gluon, **bad)
+    swapped_gluon = replace(gluon, block_m=32, block_n=64, swap_ab=True, steps_per_stage=2)  # swap_ws.py
+    for bad in (dict(block_n=128), dict(block_m=256), dict(warp_specialize=False)):
+        with pytest.raises(ValueError, match="a swapped Gluon tile"):
+            replace(swapped_gluon, **bad)
+    with pytest.raises(ValueError, match="steps_per_stage is the swapped Gluon kernel's"):
+        replace(ws, steps_per_stage=2)
+    assert mc.tl_tile(swapped_gluon) == replace(swapped_gluon, gluon=False, warp_specialize=False, steps_per_stage=1)
+    # swap_ws.py's launcher takes whole slots of K steps only (matmul._gemm runs the tl kernel's same
+    # sums otherwise) and buffers that fit
+    from lockstep.kernels._triton.swap_ws import gemm_swap_ws, swap_ws_fits
+    sg, bf = replace(swapped_gluon, block_m=64), torch.bfloat16
+    assert swap_ws_fits(4096, sg, bf) and not swap_ws_fits(4160, sg, bf) and swap_ws_fits(4160, replace(sg, steps_per_stage=5), bf)
+    xb, wb, ob = torch.zeros(64, 4160, dtype=bf), torch.zeros(64, 4160, dtype=bf), torch.empty(64, 64, dtype=bf)
+    with pytest.raises(ValueError, match="not whole slots of 2 K steps"):
+        gemm_swap_ws(xb, wb, ob, sg)
+    with pytest.raises(ValueError, match="more than 232448"):
+        gemm_swap_ws(xb[:, :4096], wb[:, :4096], ob, replace(sg, num_stages=8))
+    with pytest.raises(ValueError, match="the swapped Gluon kernel takes"):
+        gemm_swap_ws(xb, wb, ob, swapped)
     with pytest.raises(ValueError, match="no power of two .* needs gluon=True"):
         replace(ws, block_n=96)
     from lockstep.kernels._triton.splitk_ws import split_width
@@ -322,7 +342,8 @@ from lockstep.kernels._triton import splitk as S, splitk_ws as W
 from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, ROW_CONFIGS_16BIT, WIDTH_CONFIGS_16BIT
 
 out = []
-gluon_linear = [(cfg, (1,)) for *_, cfg in WIDTH_CONFIGS_16BIT + CONFIGS_16BIT if cfg.gluon]  # linear: one chunk
+# linear: one chunk (its swapped Gluon configs run swap_ws.py: _GEMM_PROBE)
+gluon_linear = [(cfg, (1,)) for *_, cfg in WIDTH_CONFIGS_16BIT + CONFIGS_16BIT if cfg.gluon and not cfg.swap_ab]
 for cfg, chunk_counts in [(cfg, (8, 4, 2, 1)) for _, cfg in ROW_CONFIGS_16BIT] + gluon_linear:
     if cfg.warp_specialize:  # the Gluon tree (splitk_ws.py), as row_tree launches it
         for chunks in chunk_counts:  # the tree at TP 1, 2, 4, 8; `linear`'s product
@@ -373,11 +394,19 @@ def test_row_tree_compiles_to_wgmma():
 _GEMM_PROBE = r"""
 import json
 from sm90 import compile_sm90
-from lockstep.kernels._triton import matmul as M
+from lockstep.kernels._triton import matmul as M, splitk_ws as W, swap_ws as S
 from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, WIDTH_CONFIGS_16BIT, tl_tile
 
 out = []
 types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*bf16"}
+for cfg in [c for _, c in CONFIGS_16BIT] + [c for *_, c in WIDTH_CONFIGS_16BIT]:
+    if cfg.gluon and cfg.swap_ab:  # swap_ws.py, as gemm_swap_ws launches it, at its narrowest and widest x tile
+        for rows in sorted({16, cfg.block_m}):
+            descs = {"x_desc": f"tensordesc<bf16[{rows}, 64],{W.gluon_layout([rows, 64])!r}>",
+                     "w_desc": f"tensordesc<bf16[64, 64],{W.gluon_layout([64, 64])!r}>", "out_ptr": "*bf16"}
+            ce = dict(STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage)
+            r = compile_sm90(S._gemm_swap_ws_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, 1)
+            out.append(dict(r, rows=rows, weight_rows=cfg.block_n, ws=True, gluon=True))
 for cfg in [tl_tile(c) for _, c in CONFIGS_16BIT] + [tl_tile(c) for *_, c in WIDTH_CONFIGS_16BIT]:  # as matmul._gemm
     if cfg.swap_ab:
         for rows in sorted({16, cfg.block_m}):
@@ -408,9 +437,10 @@ def test_gemm_table_compiles_to_wgmma():
 
     results = probe(_GEMM_PROBE)
     assert {r["rows"] for r in results} >= {16, 64, 128}, results
+    assert any(r.get("gluon") for r in results), "the table has a swapped Gluon bucket: probe it"
     for r in results:
         assert {version for version, _ in r["mma"]} == {"3"} and r["spill_bytes"] == 0, r
-        assert r["warp_specialized"] == r["ws"], r
+        assert r["warp_specialized"] == r["ws"] and r["shared_bytes"] <= 227 * 1024, r
 
 
 # ---------------------------------------------------------------- RMSNorm
@@ -628,12 +658,12 @@ def test_gpu_row_parallel_linear_row_invariant_qwen3_8b(k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, ms", [(24576, (129, 256, 257, 700, 1024)), (6144, (129, 200, 256, 257, 700, 1024))],
-                         ids=["gate_up", "qkv"])
+@pytest.mark.parametrize("n, ms", [(24576, (1, 17, 64, 129, 256, 257, 700, 1024)),
+                                   (6144, (1, 8, 33, 64, 129, 200, 256, 257, 700, 1024))], ids=["gate_up", "qkv"])
 def test_gpu_gluon_linear_gives_the_tl_kernels_bits(monkeypatch, n, ms):
-    """`linear`'s Gluon configs (gate/up's and qkv's widths at 129-1,024 rows; qkv's tiles of two
-    products, 96 and 192 columns) give the bits of the tl kernel on its form of the tile (tl_tile),
-    with and without a bias."""
+    """`linear`'s Gluon configs (the swapped decode bucket, swap_ws.py; gate/up's and qkv's widths at
+    129-1,024 rows; qkv's tiles of two products, 96 and 192 columns) give the bits of the tl kernel
+    on its form of the tile (tl_tile), with and without a bias."""
 
     from lockstep.kernels._triton import matmul_configs as mc
 

@@ -29,6 +29,7 @@ from lockstep.kernels._triton._tma import aligned_empty, install_descriptor_allo
 from lockstep.kernels._triton.matmul_configs import (MAX_WARP_SPECIALIZED_STAGES, block_k, config_for, tile_rows,
                                                      tl_tile)
 from lockstep.kernels._triton.splitk_ws import row_tree_ws
+from lockstep.kernels._triton.swap_ws import gemm_swap_ws, swap_ws_fits
 
 
 # M is not specialised: a separate M == 1 (or M % 16 == 0) compilation would be another binary for
@@ -141,12 +142,17 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None)
     b_rows, b_transposed = tma_matrix(b)
     c = aligned_empty(m, n, a.dtype, a.device)
     cfg = config_for(m, a.dtype, n)
-    if cfg.gluon and b_transposed and not a_transposed and not INTERPRETING:  # x @ weight^T: the Gluon kernel
-        row_tree_ws(a_rows, b_rows, c, 1, k, k, block_k(a.dtype), cfg)  # one K chunk: this kernel's sums
+    if (cfg.gluon and b_transposed and not a_transposed and not INTERPRETING  # x @ weight^T: a Gluon kernel
+            and (not cfg.swap_ab or swap_ws_fits(k, cfg, a.dtype))):
+        if cfg.swap_ab:
+            gemm_swap_ws(a_rows, b_rows, c, cfg)  # decode-sized x: _gemm_swap_kernel's sums
+        else:
+            row_tree_ws(a_rows, b_rows, c, 1, k, k, block_k(a.dtype), cfg)  # one K chunk: this kernel's sums
         if bias is not None:  # the reference's order, as in _gemm_kernel's epilogue
             c = (c.float() + bias.float()).to(a.dtype)
         return c.contiguous()
-    cfg = tl_tile(cfg)  # a Gluon config's tile in the tl kernel (other operand layouts, the interpreter)
+    # a Gluon config's tile in the tl kernel (other operand layouts, the interpreter, a K of partial slots)
+    cfg = tl_tile(cfg)
     if cfg.warp_specialize and cfg.num_stages > MAX_WARP_SPECIALIZED_STAGES:
         raise ValueError(f"{cfg}: Triton's warp specialisation with more than {MAX_WARP_SPECIALIZED_STAGES} stages "
                          "gave other bits than the plain kernel on an H200 (Triton 3.6; matmul_configs.py)")

@@ -52,14 +52,25 @@ class GemmConfig:
     # awaits the next (0: each step's MMA waited for before its slot is freed). Only the schedule:
     # the MMAs of one accumulator run in issue order either way.
     wgmma_in_flight: int = 1
+    # A swapped Gluon config (gluon and swap_ab: swap_ws.py, `linear`'s decode-sized forward): the
+    # BLOCK_K steps each slot of its ring holds, one barrier wait a slot. Only the schedule: the
+    # steps run in ascending k either way.
+    steps_per_stage: int = 1
 
     def __post_init__(self):
-        if self.warp_specialize and (self.num_warps != 4 or (self.block_n if self.swap_ab else self.block_m) % 128):
+        if self.gluon and self.swap_ab:  # swap_ws.py: one consumer warpgroup of 64 weight rows, a producer warp
+            if not self.warp_specialize or self.block_n != 64 or self.num_warps != 4 or self.block_m not in (16, 32, 64,
+                                                                                                             128):
+                raise ValueError(f"{self}: a swapped Gluon tile (swap_ws.py) needs warp_specialize=True, block_n=64 "
+                                 "(one consumer warpgroup's wgmma M side), num_warps=4 and block_m 16, 32, 64 or 128")
+        elif self.warp_specialize and (self.num_warps != 4 or (self.block_n if self.swap_ab else self.block_m) % 128):
             raise ValueError(f"{self}: warp_specialize needs num_warps=4 and a multiple of 128 MMA rows "
                              "(block_m, or block_n with swap_ab)")
-        if self.gluon and (not self.warp_specialize or self.block_m != 128 or self.swap_ab):
-            raise ValueError(f"{self}: gluon is the warp-specialised schedule of 128-row unswapped tiles: it needs "
-                             "warp_specialize=True, block_m=128 and swap_ab=False")
+        if self.gluon and not self.swap_ab and (not self.warp_specialize or self.block_m != 128):
+            raise ValueError(f"{self}: gluon is the warp-specialised schedule of 128-row unswapped tiles (or of "
+                             "swapped 64-row ones): it needs warp_specialize=True and block_m=128")
+        if self.steps_per_stage != 1 and not (self.gluon and self.swap_ab):
+            raise ValueError(f"{self}: steps_per_stage is the swapped Gluon kernel's (gluon=True, swap_ab=True)")
         if self.block_n & (self.block_n - 1) and not self.gluon:
             raise ValueError(f"{self}: a block_n that is no power of two (two products a tile) needs gluon=True")
         if self.wgmma_in_flight not in (0, 1):
@@ -80,17 +91,20 @@ BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     # Decode and small batches: the weight read dominates and there is no split-K to add
     # parallelism. Swapped operands (weight rows as the wgmma's 64-row M side, x's rows as its
-    # 16-64-wide N side): 64 weight rows per program (96 programs at qkv's N = 6144), ten stages of
-    # 8 KiB of weight each in flight, and no 64-row zero padding of x in every stage. Swept on an H200
-    # (benchmarks/sweep_gemm.py --column, bits checked against the unswapped kernel): 0.90-1.01x cuBLAS
-    # on qkv and gate_up at M = 1 and 8, against 0.53-0.81x for the unswapped 64x128 tiles with two
-    # programs per SM (at 8 stages); 10 * (64 + 16) * 64 * 2 B = 100 KiB at M <= 16.
-    # 10 stages (eighteenth session, sweep_gemm.py --column --block-m 64, one call): qkv 0.916 / 0.891 /
-    # 0.885x cuBLAS at M = 1 / 8 / 64 against 0.886 / 0.808 / 0.888 for 8 stages, gate_up at M = 1 / 8
-    # 0.913 / 1.001 against 0.903 / 0.999. 12 stages: qkv 0.912 / 0.924 / 0.880, but gate_up 0.846 /
-    # 0.920 (120 KiB: one program an SM for its 384; 100 KiB keeps two); 14 stages 0.833-0.887 on qkv.
-    # qkv's 96 programs leave 36 SMs idle, so each one's bytes in flight set the rate.
-    (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=10, swap_ab=True)),
+    # 16-64-wide N side, no 64-row zero padding of x): 64 weight rows per program (96 programs at
+    # qkv's N = 6144). The fifth session's tl kernel (8 stages) ran 0.90-1.01x cuBLAS on qkv and
+    # gate_up at M = 1 and 8 against 0.53-0.81x for unswapped 64x128 tiles, but stalled at its
+    # per-step latency: a barrier and a wgmma wait every 64 x 16 x 64 product, 0.81-0.93x on qkv in
+    # every later call, whatever its stages (8 / 10 / 12 / 14 read alike within the calls' spread).
+    # Gluon (swap_ws.py: a producer warp, one consumer warpgroup, 2 K steps a slot, 6 slots):
+    # eighteenth session, sweep_gemm.py --column --block-m 64, one call, bits checked against the
+    # table's kernel first: qkv 1.028 / 1.030 / 0.986x cuBLAS at M = 1 / 8 / 64 against 0.860 /
+    # 0.890 / 0.875 for the tl kernel at 8 stages; gate_up 0.977 / 1.058 / 0.950 against 0.899 /
+    # 1.003 / 0.919 (64 x 128 tl tiles at M = 64). 1 step a slot at 10 / 12 slots 0.948-0.965
+    # (geometric mean), 4 steps at 3 slots 0.975, 2 at 5 0.997, 2 at 6 1.004.
+    # 6 * 2 * (64 + 64) * 64 * 2 B = 192 KiB at M = 64.
+    (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=6, swap_ab=True, warp_specialize=True,
+                    gluon=True, steps_per_stage=2)),
     # 65-128 rows (the 8B rollout's decode batch) at N < 16,384 (qkv): swapped, all 128 rows of x as
     # the N side of 64-weight-row programs: 0.795x cuBLAS on qkv at M = 128 against 0.672x for the
     # bucket below (H200, sweep_gemm.py --column, bits checked against the unswapped kernel at M = 100
@@ -114,9 +128,6 @@ CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
 # output width is at least that and a multiple of that takes the first matching config instead of its
 # M bucket's (the bucket tables are keyed by M alone).
 WIDTH_CONFIGS_16BIT: list[tuple[int, int, int, int, GemmConfig]] = [
-    # 33-64 rows against gate/up: 128 weight rows per swapped program (0.930x cuBLAS at M = 64 against
-    # 0.846x for 64; at qkv's N the 64-row programs win, 0.915x vs 0.855x; H200, sweep_gemm.py --column).
-    (33, 64, 16384, 1, GemmConfig(block_m=64, block_n=128, group_m=1, num_warps=4, num_stages=8, swap_ab=True)),
     # A decode batch of 65-128 rows against gate/up (N = 24576): one 128x256 tile holds every row, so
     # each weight tile streams once; 0.864x cuBLAS against 0.795x for the bucket's 64x128 tiles (H200,
     # M = 128, benchmarks/sweep_gemm.py --m 128). At qkv's N = 6144 it would leave most SMs idle.
@@ -188,9 +199,12 @@ ROW_CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 def tl_tile(config: GemmConfig) -> GemmConfig:
     """A Gluon config as the tl kernel runs its tile (the backward's operand layouts, Triton's
     interpreter): at most MAX_WARP_SPECIALIZED_STAGES stages and block_n rounded down to a power of
-    two (its first product's width). Neither changes an element's sum."""
+    two (its first product's width); a swapped one unspecialised, one K step a stage. None of it
+    changes an element's sum."""
     if not config.gluon:
         return config
+    if config.swap_ab:
+        return replace(config, gluon=False, warp_specialize=False, steps_per_stage=1)
     return replace(config, gluon=False, num_stages=min(config.num_stages, MAX_WARP_SPECIALIZED_STAGES),
                    block_n=1 << (config.block_n.bit_length() - 1))
 

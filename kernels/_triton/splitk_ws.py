@@ -46,14 +46,14 @@ CONSUMER_REGISTERS = gl.constexpr(232)
 
 
 @gluon.jit
-def ring_barriers(STAGES: gl.constexpr):
-    """The (ready, empty) mbarriers of a STAGES-slot ring between one producer and two consumer
-    warpgroups: a slot is ready once the producer's loads land, empty once both consumers freed it."""
+def ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr = 2):
+    """The (ready, empty) mbarriers of a STAGES-slot ring between one producer and CONSUMERS consumer
+    warpgroups: a slot is ready once the producer's loads land, empty once every consumer freed it."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
     return ready, empty
 
 
