@@ -134,7 +134,8 @@ def column(block_m: int | None = None) -> None:
         per_m = [ratio(cfg, [m], [shape]) for shape in COLUMN_SHAPES for m in ms]
         small = [r for i, r in enumerate(per_m) if ms[i % len(ms)] <= 64]
         print(f"column M<=64 geomean {statistics.geometric_mean(small):.3f}  qkv M={','.join(map(str, ms))} "
-              f"{' '.join(f'{r:.3f}' for r in per_m[:len(ms)])}  gate_up {' '.join(f'{r:.3f}' for r in per_m[len(ms):])}"
+              f"{' '.join(f'{r:.3f}' for r in per_m[:len(ms)])}  "
+              f"gate_up {' '.join(f'{r:.3f}' for r in per_m[len(ms):])}"
               f"  {cfg}", flush=True)
 
 

@@ -34,7 +34,8 @@ MS = [1, 8, 64, 128, 256, 512, 1024, 4096]
 SPLIT_CONFIGS = [G(64, 128, 8, 4, 4), G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4),
                  # swapped operands (weight rows as the MMA's M side; see matmul_configs.py)
                  G(64, 64, 1, 4, 4, swap_ab=True), G(64, 64, 1, 4, 6, swap_ab=True), G(64, 128, 1, 4, 4, swap_ab=True),
-                 G(64, 64, 1, 4, 4, 2, swap_ab=True), G(64, 64, 1, 4, 8, swap_ab=True), G(64, 128, 1, 4, 6, swap_ab=True),
+                 G(64, 64, 1, 4, 4, 2, swap_ab=True), G(64, 64, 1, 4, 8, swap_ab=True),
+                 G(64, 128, 1, 4, 6, swap_ab=True),
                  # 128 or 256 rows of x on the N side: M = 128 and 256 (still unswapped, 0.68-0.86x)
                  G(128, 64, 1, 4, 4, swap_ab=True), G(256, 64, 1, 4, 3, swap_ab=True)]
 SPLITS = [None, 2, 4, 8]  # None: split_for's choice; splits above the chunk count are skipped

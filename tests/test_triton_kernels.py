@@ -307,7 +307,8 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
     # sums otherwise) and buffers that fit
     from lockstep.kernels._triton.swap_ws import gemm_swap_ws, swap_ws_fits
     sg, bf = replace(swapped_gluon, block_m=64), torch.bfloat16
-    assert swap_ws_fits(4096, sg, bf) and not swap_ws_fits(4160, sg, bf) and swap_ws_fits(4160, replace(sg, steps_per_stage=5), bf)
+    assert swap_ws_fits(4096, sg, bf) and not swap_ws_fits(4160, sg, bf)
+    assert swap_ws_fits(4160, replace(sg, steps_per_stage=5), bf)  # 65 steps: 13 slots of 5
     xb, wb, ob = torch.zeros(64, 4160, dtype=bf), torch.zeros(64, 4160, dtype=bf), torch.empty(64, 64, dtype=bf)
     with pytest.raises(ValueError, match="not whole slots of 2 K steps"):
         gemm_swap_ws(xb, wb, ob, sg)
@@ -672,6 +673,19 @@ def test_gpu_gluon_linear_gives_the_tl_kernels_bits(monkeypatch, n, ms):
     bias = torch.randn(n, device="cuda", dtype=BF16)
     assert all(mc.config_for(m, BF16, n).gluon for m in ms)
     gluon = {m: (K.linear(x[:m], w), K.linear(x[:m], w, bias)) for m in ms}
+    # the decode bucket (swap_ws.py) as vLLM's decode graphs hold it: captured, replayed, the same bits
+    graph, stream, eager = torch.cuda.CUDAGraph(), torch.cuda.Stream(), K.linear(x[:8], w)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        K.linear(x[:8], w)  # compiled outside the capture
+    stream.synchronize()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = K.linear(x[:8], w)
+    for _ in range(2):
+        captured.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
     monkeypatch.setattr(mc, "WIDTH_CONFIGS_16BIT", [(*key, mc.tl_tile(c)) for *key, c in mc.WIDTH_CONFIGS_16BIT])
     monkeypatch.setattr(mc, "CONFIGS_16BIT", [(hi, mc.tl_tile(c)) for hi, c in mc.CONFIGS_16BIT])
     for m in ms:

@@ -96,7 +96,7 @@ def swap_ws_fits(k: int, cfg: GemmConfig, dtype: torch.dtype) -> bool:
 def gemm_swap_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: GemmConfig) -> None:
     """out [M, N] = x [M, K] @ weight [N, K]^T, both row-major with 16-byte aligned rows (16-bit)."""
     if not (cfg.gluon and cfg.swap_ab) or cfg.block_n != W_ROWS.value:
-        raise ValueError(f"{cfg}: the swapped Gluon kernel takes gluon=True, swap_ab=True and block_n={W_ROWS}")
+        raise ValueError(f"{cfg}: the swapped Gluon kernel takes gluon=True, swap_ab=True and block_n={W_ROWS.value}")
     if not swap_ws_fits(x.shape[1], cfg, x.dtype):
         raise ValueError(f"{cfg}: K = {x.shape[1]} is not whole slots of {cfg.steps_per_stage} K steps; "
                          "run the tl kernel (matmul._gemm_swap_kernel, the same sums)")
@@ -106,7 +106,7 @@ def gemm_swap_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: 
     shared = cfg.num_stages * cfg.steps_per_stage * (rows + W_ROWS.value) * bk * x.element_size()
     if shared > SHARED_BYTES:
         raise ValueError(f"{cfg}: {cfg.num_stages} stages of {cfg.steps_per_stage} K steps of {rows} x rows and "
-                         f"{W_ROWS} weight rows take {shared} bytes of shared memory, more than {SHARED_BYTES}")
+                         f"{W_ROWS.value} weight rows take {shared} bytes of shared memory, more than {SHARED_BYTES}")
     _gemm_swap_ws_kernel[(triton.cdiv(n, W_ROWS.value), triton.cdiv(m, rows))](
-        gluon_descriptor(x, [rows, bk]), gluon_descriptor(weight, [W_ROWS.value, bk]), out, m, n, x.shape[1], out.stride(0),
-        STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage, num_warps=cfg.num_warps)
+        gluon_descriptor(x, [rows, bk]), gluon_descriptor(weight, [W_ROWS.value, bk]), out, m, n, x.shape[1],
+        out.stride(0), STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage, num_warps=cfg.num_warps)
