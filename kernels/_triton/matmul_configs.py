@@ -93,9 +93,10 @@ CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     # parallelism. Swapped operands (weight rows as the wgmma's 64-row M side, x's rows as its
     # 16-64-wide N side, no 64-row zero padding of x): 64 weight rows per program (96 programs at
     # qkv's N = 6144). The fifth session's tl kernel (8 stages) ran 0.90-1.01x cuBLAS on qkv and
-    # gate_up at M = 1 and 8 against 0.53-0.81x for unswapped 64x128 tiles, but stalled at its
-    # per-step latency: a barrier and a wgmma wait every 64 x 16 x 64 product, 0.81-0.93x on qkv in
-    # every later call, whatever its stages (8 / 10 / 12 / 14 read alike within the calls' spread).
+    # gate_up at M = 1 and 8 against 0.53-0.81x for unswapped 64x128 tiles, then 0.81-0.93x on qkv in
+    # every later call, whatever its stages (8 / 10 / 12 / 14 read alike within the calls' spread). It
+    # waits on a barrier and a wgmma for every 64 x 16 x 64 product; a schedule that waits less often
+    # is what moved it:
     # Gluon (swap_ws.py: a producer warp, one consumer warpgroup, 2 K steps a slot, 6 slots):
     # eighteenth session, sweep_gemm.py --column --block-m 64, one call, bits checked against the
     # table's kernel first: qkv 1.028 / 1.030 / 0.986x cuBLAS at M = 1 / 8 / 64 against 0.860 /

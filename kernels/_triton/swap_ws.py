@@ -6,9 +6,11 @@ program as the wgmma's M side and the rows of x (16-64, zero-filled past M by TM
 element accumulated in fp32 over the BLOCK_K steps in ascending k, one wgmma group a step, the first
 step from zero. Which warps issue the loads, and how many steps share a barrier, never changes a sum.
 
-Why: at decode sizes a program does little per step (a 64 x 16 x 64 product) and waits on a barrier
-and a wgmma every step, so the tl kernel's loop runs at its per-step latency, not at the rate its
-loads arrive (qkv's 96 programs leave 36 SMs idle: each program's rate is the product's rate). Here a
+Why: at decode sizes a program does little per step (a 64 x 16 x 64 product), yet the tl kernel
+waits on a barrier and a wgmma every step; its rate did not move with its stage count (8-14), so the
+loads in flight were not what it waited for (qkv's 96 programs leave 36 SMs idle: each program's
+rate is the product's rate). This schedule, which waits once every STEPS steps, ran 1.03x cuBLAS
+where the tl kernel ran 0.86-0.89x (matmul_configs.py, benchmarks/RESULTS.md). Here a
 producer warp issues the TMA loads of STEPS K steps into each slot of a STAGES-deep ring, and one
 consumer warpgroup waits once a slot, issues its STEPS wgmma groups, leaves them in flight while it
 frees the previous slot and awaits the next. A slot holds whole steps only: K's steps must be a
