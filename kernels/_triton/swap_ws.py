@@ -10,8 +10,8 @@ Why: at decode sizes a program does little per step (a 64 x 16 x 64 product), ye
 waits on a barrier and a wgmma every step; its rate did not move with its stage count (8-14), so the
 loads in flight were not what it waited for (qkv's 96 programs leave 36 SMs idle: each program's
 rate is the product's rate). This schedule, which waits once every STEPS steps, ran 1.03x cuBLAS
-where the tl kernel ran 0.86-0.89x (matmul_configs.py, benchmarks/RESULTS.md). Here a
-producer warp issues the TMA loads of STEPS K steps into each slot of a STAGES-deep ring, and one
+on qkv at M = 1 and 8 where the tl kernel ran 0.86-0.89x (matmul_configs.py, benchmarks/RESULTS.md).
+Here a producer warp issues the TMA loads of STEPS K steps into each slot of a STAGES-deep ring, and one
 consumer warpgroup waits once a slot, issues its STEPS wgmma groups, leaves them in flight while it
 frees the previous slot and awaits the next. A slot holds whole steps only: K's steps must be a
 multiple of STEPS (GemmConfig.steps_per_stage), which every Qwen3 width is; the launcher says so
