@@ -51,7 +51,7 @@ COLUMN_DECODE = [G(64, 64, 1, 4, 8, swap_ab=True), G(64, 128, 1, 4, 8, swap_ab=T
                  G(128, 128, 1, 4, 4, swap_ab=True, warp_specialize=True),
                  G(256, 128, 1, 4, 3, swap_ab=True, warp_specialize=True),
                  # the M <= 64 bucket's swapped tiles with more weight in flight (96 programs at qkv's N)
-                 *(G(64, n, 1, 4, s, swap_ab=True) for n, s in ((64, 10), (64, 12), (64, 14), (128, 10), (128, 12))),
+                 *(G(64, 64, 1, 4, s, swap_ab=True) for s in (10, 12, 14)),  # (128 weight rows at 10+ stages: no room)
                  # ... in Gluon (swap_ws.py): a producer warp, one consumer warpgroup, `steps` K steps a barrier
                  *(G(64, 64, 1, 4, s, swap_ab=True, warp_specialize=True, gluon=True, steps_per_stage=steps)
                    for s, steps in ((10, 1), (12, 1), (5, 2), (6, 2), (3, 4))),
