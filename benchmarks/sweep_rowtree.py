@@ -1,7 +1,8 @@
 """Sweep of the K-chunk tree GEMM (kernels/_triton/splitk.py) on the GPU at hand: tile config x
 programs per tile (split 1: one program holds a tile's whole tree in registers, one loop over every
 chunk's steps; split > 1: subtrees, one loop per chunk; gluon: the warp-specialised tree of
-splitk_ws.py, split 1, its consumers' wgmmas waited step by step or left in flight),
+splitk_ws.py, split 1, its consumers' wgmmas waited step by step or left in flight, one or two
+accumulators a consumer; gluon-swap: swap_ws.py's subtrees at a split),
 bf16, vs cuBLAS and vs the plain `linear` kernel.
 
     python benchmarks/sweep_rowtree.py [OUT.md]                      # the row-parallel GEMM as it runs:
@@ -41,9 +42,16 @@ SPLIT_CONFIGS = [G(64, 128, 8, 4, 4), G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4)
 SPLITS = [None, 2, 4, 8]  # None: split_for's choice; splits above the chunk count are skipped
 
 
-def _gluon(block_n: int, stages: int, in_flight: int = 1, group_m: int = 8) -> G:
+# the swapped Gluon subtrees (swap_ws.py): a producer warp, one consumer warpgroup of 64 weight rows
+# alternating two accumulators over the chunks, (slots, K steps a slot)
+SWAPPED_GLUON_CONFIGS = [G(64, 64, 1, 4, stages, swap_ab=True, warp_specialize=True, gluon=True, steps_per_stage=steps)
+                         for stages, steps in ((6, 2), (4, 2), (3, 2), (8, 1), (2, 4))]
+
+
+def _gluon(block_n: int, stages: int, in_flight: int = 1, group_m: int = 8, accumulators: int = 1) -> G:
     """The warp-specialised Gluon tree (splitk_ws.py): 128-row tiles, two consumers of 64 rows."""
-    return G(128, block_n, group_m, 4, stages, warp_specialize=True, gluon=True, wgmma_in_flight=in_flight)
+    return G(128, block_n, group_m, 4, stages, warp_specialize=True, gluon=True, wgmma_in_flight=in_flight,
+             accumulators=accumulators)
 
 
 # 128 x 256 tiles and 6 stages of 128 x 128 fit beside a tree's pending quads only for <= 4 chunks
@@ -51,14 +59,17 @@ def _gluon(block_n: int, stages: int, in_flight: int = 1, group_m: int = 8) -> G
 # (64 + 32, 128 + 64)
 GLUON_CONFIGS = [_gluon(128, 4, 0), _gluon(128, 4), _gluon(128, 5), _gluon(128, 6), _gluon(128, 4, group_m=4),
                  _gluon(64, 6, 0), _gluon(64, 6), _gluon(64, 8), _gluon(256, 3), _gluon(256, 4),
-                 _gluon(96, 6), _gluon(96, 8), _gluon(192, 4), _gluon(96, 6, group_m=1)]
+                 _gluon(96, 6), _gluon(96, 8), _gluon(192, 4), _gluon(96, 6, group_m=1),
+                 # two accumulators a consumer, alternating chunks (no drain at a chunk's end)
+                 _gluon(64, 6, accumulators=2), _gluon(64, 8, accumulators=2), _gluon(128, 4, accumulators=2),
+                 _gluon(128, 5, accumulators=2)]
 WHOLE_TREE_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 8, 4), G(64, 128, 8, 4, 4),
                       G(128, 64, 8, 4, 4), *GLUON_CONFIGS]
 
 
 def candidates(m: int, chunks: int, whole_only: bool = False, gluon_only: bool = False, swapped_only: bool = False):
     if swapped_only:
-        yield from ((cfg, split) for cfg in SPLIT_CONFIGS if cfg.swap_ab and cfg.block_m == 64
+        yield from ((cfg, split) for cfg in SPLIT_CONFIGS + SWAPPED_GLUON_CONFIGS if cfg.swap_ab and cfg.block_m == 64
                     for split in SPLITS if not split or split <= chunks)
         return
     if gluon_only:
@@ -101,9 +112,11 @@ def main() -> None:
             default = graph_ms_per_call(lambda: row_tree(x, w, chunk, x.dtype)) * 1e3
             best = (default, "default")
             for cfg, split in candidates(m, args.chunks, args.whole_only, args.gluon_only, args.swapped_only):
-                key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm,
-                       "swap" if cfg.swap_ab else f"gluon{cfg.wgmma_in_flight}" if cfg.gluon else "-", cfg.group_m,
-                       split or "auto")
+                kind = ("gluon-swap" if cfg.swap_ab else f"gluon{cfg.wgmma_in_flight}") if cfg.gluon else (
+                    "swap" if cfg.swap_ab else "-")
+                key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm, kind, cfg.group_m,
+                       split or "auto", *((f"{cfg.steps_per_stage}steps",) if cfg.steps_per_stage > 1 else ()),
+                       *((f"{cfg.accumulators}acc",) if cfg.accumulators > 1 else ()))
                 fn = lambda: row_tree(x, w, chunk, x.dtype, split=split, config=cfg)  # noqa: E731
                 try:
                     got = fn()

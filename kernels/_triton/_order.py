@@ -6,8 +6,9 @@ share their operand rows in L2 (Triton's matmul tutorial). One definition for th
 row-parallel tree and linear_logp; it moves no bit, only which program computes which tile when.
 
 tree_join: the order in which the row-parallel GEMM's K-chunk products are summed (the canonical
-balanced tree of kernels/rowlinear.py), one definition for splitk.py's tl kernel and splitk_ws.py's
-Gluon one; this one does decide the bits."""
+balanced tree of kernels/rowlinear.py), one definition for splitk.py's tl kernel and the Gluon ones
+(splitk_ws.py, swap_ws.py); tree_root: its top levels over subtree roots that split programs left in
+a workspace. These two decide the bits."""
 from __future__ import annotations
 
 import triton
@@ -49,3 +50,26 @@ def tree_join(acc, j, h1, h2, h4, COUNT: tl.constexpr):
         if j % 8 == 3:
             h4 = v
     return h1, h2, h4, v
+
+
+@triton.jit
+def _l2(ptr, mask):
+    """A load of what other programs wrote: from L2 (.cg), never a stale L1 line; masked (a
+    tile's rows past M lie past the workspace)."""
+    return tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def tree_root(ws, step, mask, S: tl.constexpr):
+    """The tree's top levels: the balanced tree over the S subtree roots at ws, ws + step, ... (S 2, 4
+    or 8; fp32), each the root of the next run of consecutive chunks, joined as tree_join joins them."""
+    if S == 2:
+        root = _l2(ws, mask) + _l2(ws + step, mask)
+    elif S == 4:
+        root = (_l2(ws, mask) + _l2(ws + step, mask)) + (_l2(ws + 2 * step, mask) + _l2(ws + 3 * step, mask))
+    else:
+        tl.static_assert(S == 8)
+        root = (((_l2(ws, mask) + _l2(ws + step, mask)) + (_l2(ws + 2 * step, mask) + _l2(ws + 3 * step, mask)))
+                + ((_l2(ws + 4 * step, mask) + _l2(ws + 5 * step, mask))
+                   + (_l2(ws + 6 * step, mask) + _l2(ws + 7 * step, mask))))
+    return root

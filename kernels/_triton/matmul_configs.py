@@ -56,6 +56,13 @@ class GemmConfig:
     # BLOCK_K steps each slot of its ring holds, one barrier wait a slot. Only the schedule: the
     # steps run in ascending k either way.
     steps_per_stage: int = 1
+    # The row-parallel tree's unswapped Gluon consumer (splitk_ws.py): accumulators it alternates
+    # between K chunks. 2: chunk j + 1's first wgmma is issued before chunk j's product is waited for
+    # and joined, so the tensor cores never drain at a chunk's end (1: each chunk drained, then
+    # joined). Only the schedule: each chunk's product is the same sum from zero, the tree the same.
+    # Two more accumulators a consumer: block_n up to 64 (its registers), a power of two.
+    # (The swapped Gluon kernel, swap_ws.py, always alternates: its accumulators are small.)
+    accumulators: int = 1
 
     def __post_init__(self):
         if self.gluon and self.swap_ab:  # swap_ws.py: one consumer warpgroup of 64 weight rows, a producer warp
@@ -73,6 +80,10 @@ class GemmConfig:
             raise ValueError(f"{self}: steps_per_stage is the swapped Gluon kernel's (gluon=True, swap_ab=True)")
         if self.block_n & (self.block_n - 1) and not self.gluon:
             raise ValueError(f"{self}: a block_n that is no power of two (two products a tile) needs gluon=True")
+        if self.accumulators not in (1, 2) or (self.accumulators == 2 and not (
+                self.gluon and not self.swap_ab and self.wgmma_in_flight == 1 and self.block_n in (16, 32, 64, 128))):
+            raise ValueError(f"{self}: accumulators is 1, or 2 for an unswapped Gluon tile (gluon=True) of block_n "
+                             "16-64 (two more accumulators a consumer) with its wgmmas in flight (wgmma_in_flight=1)")
         if self.wgmma_in_flight not in (0, 1):
             raise ValueError(f"{self}: wgmma_in_flight is 0 or 1 (wgmma groups a Gluon consumer leaves in flight)")
 

@@ -29,9 +29,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
 from lockstep.kernels._triton._tickets import zeroed_tickets
-from lockstep.kernels._triton._order import grouped_tile, tree_join
-from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, row_config_for, tile_rows
+from lockstep.kernels._triton._order import grouped_tile, tree_join, tree_root
+from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, row_config_for, tile_rows, tl_tile
 from lockstep.kernels._triton.splitk_ws import row_tree_ws
+from lockstep.kernels._triton.swap_ws import gemm_swap_ws, swap_ws_fits
 
 
 @triton.jit
@@ -92,28 +93,6 @@ def _subtree(x_desc, w_desc, off_m, off_n, K_CHUNK, K_PAD, first, COUNT: tl.cons
     return root
 
 
-@triton.jit
-def _l2(ptr, mask):
-    """A load of what other programs wrote: from L2 (.cg), never a stale L1 line; masked (a
-    tile's rows past M lie past the workspace)."""
-    return tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg")
-
-
-@triton.jit
-def _root(ws, step, mask, S: tl.constexpr):
-    """The balanced tree over the S subtree roots at ws, ws + step, ... (S 2, 4 or 8), fp32."""
-    if S == 2:
-        root = _l2(ws, mask) + _l2(ws + step, mask)
-    elif S == 4:
-        root = (_l2(ws, mask) + _l2(ws + step, mask)) + (_l2(ws + 2 * step, mask) + _l2(ws + 3 * step, mask))
-    else:
-        tl.static_assert(S == 8)
-        root = (((_l2(ws, mask) + _l2(ws + step, mask)) + (_l2(ws + 2 * step, mask) + _l2(ws + 3 * step, mask)))
-                + ((_l2(ws + 4 * step, mask) + _l2(ws + 5 * step, mask))
-                   + (_l2(ws + 6 * step, mask) + _l2(ws + 7 * step, mask))))
-    return root
-
-
 @triton.jit(do_not_specialize=["M"])
 def _row_tree_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK, K_PAD, stride_o,
                      CHUNKS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -148,7 +127,7 @@ def _row_tree_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK,
         ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT - 1:
             tl.atomic_xchg(ticket_ptr + tile, 0, sem="relaxed", scope="gpu")  # left at zero (_tickets.py)
-            total = _root(ws, plane, inside, SPLIT)
+            total = tree_root(ws, plane, inside, SPLIT)
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=inside)
 
 
@@ -178,6 +157,20 @@ def split_for(tiles: int, chunks: int, device: torch.device, target_programs_per
     return split
 
 
+def _split(split: int, chunks: int) -> int:
+    if split not in (1, 2, 4, 8) or split > chunks:
+        raise ValueError(f"row_tree: split {split} must be 1, 2, 4 or 8 and at most the {chunks} chunks")
+    return split
+
+
+def _workspace(split: int, m: int, n: int, tiles: int, device: torch.device):
+    """(ws, tickets) of a split launch: the [split, M, N] fp32 subtree roots and one zeroed ticket
+    counter a tile, left at zero by each tile's last program; (None, None) at split 1."""
+    if split == 1:
+        return None, None
+    return torch.empty(split, m, n, dtype=torch.float32, device=device), zeroed_tickets(device, tiles)
+
+
 def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch.dtype,
              split: int | None = None, config: GemmConfig | None = None) -> torch.Tensor:
     """x [M, K_local] @ weight[N, K_local]^T as the canonical tree over its K_local / chunk chunks
@@ -196,6 +189,15 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
     bk = block_k(x.dtype)
     padded = triton.cdiv(chunk, bk) * bk  # whole BLOCK_K steps per chunk (bk * element size: 16-byte aligned)
     x_op, w_op = _chunk_operand(x, chunks, chunk, padded), _chunk_operand(weight, chunks, chunk, padded)
+    if cfg.gluon and cfg.swap_ab and (INTERPRETING or not swap_ws_fits(chunk, cfg, x.dtype)):
+        cfg = tl_tile(cfg)  # the decode bucket's tile in the tl kernel: the same sums at every split
+    if cfg.gluon and cfg.swap_ab:  # the decode bucket: swap_ws.py's subtrees, split as the tl kernel's
+        tiles = triton.cdiv(m, tile_rows(m, cfg)) * triton.cdiv(n, cfg.block_n)
+        split = _split(split or split_for(tiles, chunks, x.device, cfg.programs_per_sm), chunks)
+        ws, tickets = _workspace(split, m, n, tiles, x.device)
+        gemm_swap_ws(x_op, w_op, out, cfg, chunks=chunks, chunk=chunk, padded=padded, split=split, ws=ws,
+                     tickets=tickets)
+        return out
     if cfg.warp_specialize:  # the many-tile buckets: one persistent program a tile, warp-specialised
         if not cfg.gluon:
             raise ValueError(f"row_tree: {cfg}: the tree's warp-specialised form is the Gluon kernel (gluon=True); "
@@ -211,13 +213,9 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
     block_m = tile_rows(m, cfg)
     x_desc, w_desc = _descriptor(x_op, block_m, bk), _descriptor(w_op, cfg.block_n, bk)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, cfg.block_n)
-    split = split or split_for(tiles, chunks, x.device, cfg.programs_per_sm)
-    if split not in (1, 2, 4, 8) or split > chunks:
-        raise ValueError(f"row_tree: split {split} must be 1, 2, 4 or 8 and at most the {chunks} chunks")
-    if split > 1:
-        ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        tickets = zeroed_tickets(x.device, tiles)  # left at zero by each tile's last program
-    else:
+    split = _split(split or split_for(tiles, chunks, x.device, cfg.programs_per_sm), chunks)
+    ws, tickets = _workspace(split, m, n, tiles, x.device)
+    if ws is None:
         ws = tickets = out
     _row_tree_kernel[(tiles, split)](
         x_desc, w_desc, out, ws, tickets, m, n, chunk, padded, out.stride(0),

@@ -109,6 +109,33 @@ def _join(v, j, h1, h2, quad_smem, layout: gl.constexpr, CHUNKS: gl.constexpr):
 
 
 @gluon.jit
+def _alternating_chunk(x_smem, w_smem, ready, empty, quad_smem, acc, prev, h1, h2, t, steps, j: gl.constexpr,
+                       layout: gl.constexpr, CHUNKS: gl.constexpr, STAGES: gl.constexpr):
+    """Chunk j of a tile into acc, from zero over its steps in ascending k, each step's wgmma left in
+    flight while the previous step's slot is freed (GemmConfig.accumulators = 2). For j > 0, chunk
+    j - 1 is in prev with its last wgmma still in flight: it is waited for once acc's first wgmma is
+    issued (wgmma groups complete in issue order), and joins the tree while that one runs."""
+    s = t % STAGES
+    mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+    acc = warpgroup_mma(x_smem.index(s), w_smem.index(s).permute((1, 0)), acc, use_acc=False, is_async=True)
+    if j > 0:
+        prev, acc = warpgroup_mma_wait(num_outstanding=1, deps=(prev, acc))
+        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)  # chunk j - 1's last slot
+        h1, h2, prev = _join(prev, j - 1, h1, h2, quad_smem, layout, CHUNKS)
+    else:  # nothing else in flight: the wait only hands acc on (as a tensor) with its wgmma still running
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+    t += 1
+    for ki in range(1, steps):
+        s = t % STAGES
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        acc = warpgroup_mma(x_smem.index(s), w_smem.index(s).permute((1, 0)), acc, use_acc=True, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
+        t += 1
+    return acc, prev, h1, h2, t
+
+
+@gluon.jit
 def _store(acc, out_ptr, row0, col0, M, N, stride_o, layout: gl.constexpr):
     offs_m = row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
     offs_n = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
@@ -120,7 +147,7 @@ def _store(acc, out_ptr, row0, col0, M, N, stride_o, layout: gl.constexpr):
 def _consumer(x_smem, w_smem, wt_smem, ready, empty, quad_smem, quadt_smem, out_ptr, M, N, stride_o, my_tiles, pid,
               num_programs, steps, num_pid_m, num_pid_n, ROW_HALF: gl.constexpr, CHUNKS: gl.constexpr,
               GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, HEAD: gl.constexpr, TAIL: gl.constexpr,
-              IN_FLIGHT: gl.constexpr):
+              IN_FLIGHT: gl.constexpr, ALTERNATE: gl.constexpr):
     """Rows ROW_HALF * ROWS .. + ROWS of every tile: multiply, free the slot, join at chunk ends
     (the quads waiting in quad_smem, quadt_smem), write the root. A tile of HEAD + TAIL columns
     (TAIL > 0: a width that is no power of two) is two products, HEAD and TAIL columns wide, each
@@ -138,34 +165,47 @@ def _consumer(x_smem, w_smem, wt_smem, ready, empty, quad_smem, quadt_smem, out_
         acc_t = gl.zeros([ROWS, TAIL], gl.float32, mma_t)
         h1_t = gl.zeros([ROWS, TAIL], gl.float32, mma_t)
         h2_t = gl.zeros([ROWS, TAIL], gl.float32, mma_t)
+    if ALTERNATE:  # two accumulators, chunk by chunk (GemmConfig.accumulators = 2; CHUNKS even, TAIL 0)
+        other = gl.zeros([ROWS, HEAD], gl.float32, mma)
     t = 0
     for local in range(my_tiles):
         pid_m, pid_n = grouped_tile(pid + local * num_programs, num_pid_m, num_pid_n, GROUP_M)
-        for j in range(CHUNKS):
-            for ki in range(steps):  # ascending k; the chunk's first step starts from zero
-                s = t % STAGES
-                mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-                acc = warpgroup_mma(x_smem.index(s), w_smem.index(s).permute((1, 0)), acc, use_acc=ki > 0,
-                                    is_async=True)
+        if ALTERNATE:
+            for jp in gl.static_range(CHUNKS // 2):
+                acc, other, h1, h2, t = _alternating_chunk(x_smem, w_smem, ready, empty, quad_smem, acc, other, h1,
+                                                           h2, t, steps, 2 * jp, mma, CHUNKS, STAGES)
+                other, acc, h1, h2, t = _alternating_chunk(x_smem, w_smem, ready, empty, quad_smem, other, acc, h1,
+                                                           h2, t, steps, 2 * jp + 1, mma, CHUNKS, STAGES)
+            # the tile's last chunk: drained (one wait a tile), its slot freed, joined
+            other = warpgroup_mma_wait(num_outstanding=0, deps=(other,))
+            mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
+            h1, h2, acc = _join(other, CHUNKS - 1, h1, h2, quad_smem, mma, CHUNKS)
+        else:
+            for j in range(CHUNKS):
+                for ki in range(steps):  # ascending k; the chunk's first step starts from zero
+                    s = t % STAGES
+                    mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+                    acc = warpgroup_mma(x_smem.index(s), w_smem.index(s).permute((1, 0)), acc, use_acc=ki > 0,
+                                        is_async=True)
+                    if TAIL > 0:
+                        acc_t = warpgroup_mma(x_smem.index(s), wt_smem.index(s).permute((1, 0)), acc_t, use_acc=ki > 0,
+                                              is_async=True)
+                        acc, acc_t = warpgroup_mma_wait(num_outstanding=PENDING, deps=(acc, acc_t))
+                    else:
+                        acc = warpgroup_mma_wait(num_outstanding=PENDING, deps=(acc,))
+                    # IN_FLIGHT 1: step ki's MMAs stay in flight while step ki - 1's slot is freed and the
+                    # next slot awaited (the MMAs of one accumulator run in issue order either way)
+                    mbarrier.arrive(empty.index((t + STAGES - IN_FLIGHT) % STAGES), count=1, pred=ki >= IN_FLIGHT)
+                    t += 1
+                if IN_FLIGHT > 0:  # the chunk's last MMAs, before its product joins the tree
+                    if TAIL > 0:
+                        acc, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t))
+                    else:
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
+                h1, h2, acc = _join(acc, j, h1, h2, quad_smem, mma, CHUNKS)
                 if TAIL > 0:
-                    acc_t = warpgroup_mma(x_smem.index(s), wt_smem.index(s).permute((1, 0)), acc_t, use_acc=ki > 0,
-                                          is_async=True)
-                    acc, acc_t = warpgroup_mma_wait(num_outstanding=PENDING, deps=(acc, acc_t))
-                else:
-                    acc = warpgroup_mma_wait(num_outstanding=PENDING, deps=(acc,))
-                # IN_FLIGHT 1: step ki's MMAs stay in flight while step ki - 1's slot is freed and the
-                # next slot awaited (the MMAs of one accumulator run in issue order either way)
-                mbarrier.arrive(empty.index((t + STAGES - IN_FLIGHT) % STAGES), count=1, pred=ki >= IN_FLIGHT)
-                t += 1
-            if IN_FLIGHT > 0:  # the chunk's last MMAs, before its product joins the tree
-                if TAIL > 0:
-                    acc, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t))
-                else:
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
-            h1, h2, acc = _join(acc, j, h1, h2, quad_smem, mma, CHUNKS)
-            if TAIL > 0:
-                h1_t, h2_t, acc_t = _join(acc_t, j, h1_t, h2_t, quadt_smem, mma_t, CHUNKS)
+                    h1_t, h2_t, acc_t = _join(acc_t, j, h1_t, h2_t, quadt_smem, mma_t, CHUNKS)
         row0 = pid_m * 2 * ROWS + ROW_HALF * ROWS
         _store(acc, out_ptr, row0, pid_n * BLOCK_N, M, N, stride_o, mma)
         if TAIL > 0:
@@ -186,7 +226,7 @@ def _quad(ROWS: gl.constexpr, COLS: gl.constexpr, CHUNKS: gl.constexpr):
 @gluon.jit(do_not_specialize=["M"])
 def _row_tree_ws_kernel(x_desc, w_desc, wt_desc, out_ptr, M, N, K_CHUNK, K_PAD, stride_o, num_programs,
                         CHUNKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr,
-                        IN_FLIGHT: gl.constexpr):
+                        IN_FLIGHT: gl.constexpr, ALTERNATE: gl.constexpr):
     """TAIL > 0: a tile's weight rows are w_desc's block (a power of two) and wt_desc's TAIL more;
     TAIL = 0: w_desc's block alone (wt_desc unused)."""
     ROWS: gl.constexpr = x_desc.block_type.shape[0]
@@ -213,10 +253,10 @@ def _row_tree_ws_kernel(x_desc, w_desc, wt_desc, out_ptr, M, N, K_CHUNK, K_PAD, 
     gl.warp_specialize([
         (_consumer, (x0_smem, w_smem, wt_smem, ready, empty, quad0, quadt0, out_ptr, M, N, stride_o, my_tiles, pid,
                      num_programs, steps, num_pid_m, num_pid_n, 0, CHUNKS, GROUP_M, STAGES, ROWS, HEAD, TAIL,
-                     IN_FLIGHT)),
+                     IN_FLIGHT, ALTERNATE)),
         (_consumer, (x1_smem, w_smem, wt_smem, ready, empty, quad1, quadt1, out_ptr, M, N, stride_o, my_tiles, pid,
                      num_programs, steps, num_pid_m, num_pid_n, 1, CHUNKS, GROUP_M, STAGES, ROWS, HEAD, TAIL,
-                     IN_FLIGHT)),
+                     IN_FLIGHT, ALTERNATE)),
         (_producer, (x_desc, w_desc, wt_desc, x0_smem, x1_smem, w_smem, wt_smem, ready, empty, my_tiles, pid,
                      num_programs, steps, num_pid_m, num_pid_n, K_PAD, CHUNKS, GROUP_M, STAGES, TAIL)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
@@ -270,4 +310,4 @@ def row_tree_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, chunks
     _row_tree_ws_kernel[(programs,)](
         gluon_descriptor(x, [HALF, bk]), w_desc, gluon_descriptor(weight, [tail, bk]) if tail else w_desc, out, m, n,
         chunk, padded, out.stride(0), programs, CHUNKS=chunks, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, TAIL=tail,
-        IN_FLIGHT=cfg.wgmma_in_flight, num_warps=cfg.num_warps)
+        IN_FLIGHT=cfg.wgmma_in_flight, ALTERNATE=cfg.accumulators == 2 and chunks > 1, num_warps=cfg.num_warps)
