@@ -44,8 +44,12 @@ SPLITS = [None, 2, 4, 8]  # None: split_for's choice; splits above the chunk cou
 
 # the swapped Gluon subtrees (swap_ws.py): a producer warp, one consumer warpgroup of 64 weight rows
 # alternating two accumulators over the chunks, (slots, K steps a slot)
-SWAPPED_GLUON_CONFIGS = [G(64, 64, 1, 4, stages, swap_ab=True, warp_specialize=True, gluon=True, steps_per_stage=steps)
-                         for stages, steps in ((6, 2), (4, 2), (3, 2), (8, 1), (2, 4))]
+# alternating two accumulators over the chunks, (weight rows, slots, K steps a slot); 128 weight rows:
+# two wgmmas a step on the same rows of x
+SWAPPED_GLUON_CONFIGS = [G(64, rows, 1, 4, stages, swap_ab=True, warp_specialize=True, gluon=True,
+                           steps_per_stage=steps)
+                         for rows, stages, steps in ((64, 6, 2), (64, 4, 2), (64, 8, 1), (128, 4, 2), (128, 3, 2),
+                                                     (128, 6, 1), (128, 8, 1))]
 
 
 def _gluon(block_n: int, stages: int, in_flight: int = 1, group_m: int = 8, accumulators: int = 1) -> G:
@@ -69,7 +73,7 @@ WHOLE_TREE_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 
 
 def candidates(m: int, chunks: int, whole_only: bool = False, gluon_only: bool = False, swapped_only: bool = False):
     if swapped_only:
-        yield from ((cfg, split) for cfg in SPLIT_CONFIGS + SWAPPED_GLUON_CONFIGS if cfg.swap_ab and cfg.block_m == 64
+        yield from ((cfg, split) for cfg in [SPLIT_CONFIGS[3], *SWAPPED_GLUON_CONFIGS]  # the tl kernel's best
                     for split in SPLITS if not split or split <= chunks)
         return
     if gluon_only:
@@ -91,7 +95,8 @@ def main() -> None:
     p.add_argument("--whole-only", action="store_true", help="only whole-tree (split 1) candidates, at every M")
     p.add_argument("--gluon-only", action="store_true", help="only the Gluon tree's candidates, at every M")
     p.add_argument("--swapped-only", action="store_true",
-                   help="only the swapped 64-row split candidates (the M <= 64 bucket's kind), at every M")
+                   help="only the swapped split candidates (the M <= 64 bucket's kind: the tl kernel's best "
+                        "64-row tile and the Gluon ones), at every M")
     args = p.parse_args()
     K.set_backend("triton")
     lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shapes} shapes, "

@@ -675,8 +675,8 @@ def test_gpu_row_parallel_linear_row_invariant_qwen3_8b(k):
 @pytest.mark.parametrize("k", [4096, 12288], ids=["o_proj", "down_proj"])
 def test_gpu_gluon_row_tree_schedules_give_the_tl_bits(k):
     """The row tree's Gluon schedules give the tl kernel's bits on the same tiles: the swapped
-    subtrees of swap_ws.py (two accumulators over the chunks, slots of 1 or 2 K steps, the ticketed
-    join at a split) at decode sizes, every split and a TP rank's chunk counts; the unswapped tree
+    subtrees of swap_ws.py (two accumulators over the chunks, slots of 1 or 2 K steps, 64 or 128
+    weight rows, the ticketed join at a split) at decode sizes, every split and a TP rank's chunk counts; the unswapped tree
     with two accumulators a consumer (64- and 128-column tiles); and a swapped split captured in a
     CUDA graph, replayed (each tile's tickets left at zero for the next replay)."""
     from dataclasses import replace
@@ -689,6 +689,7 @@ def test_gpu_gluon_row_tree_schedules_give_the_tl_bits(k):
     chunk = k // 8
     swapped = GemmConfig(64, 64, 1, 4, 6, swap_ab=True, warp_specialize=True, gluon=True, steps_per_stage=2)
     one_step = replace(swapped, num_stages=8, steps_per_stage=1)
+    wide = replace(swapped, block_n=128, num_stages=4)  # 128 weight rows: two wgmmas a step
     plain = GemmConfig(64, 128, 8, 4, 4)  # the tl kernel's unswapped tile
     alternating = [GemmConfig(128, n, 8, 4, stages, warp_specialize=True, gluon=True, accumulators=2)
                    for n, stages in ((64, 8), (128, 4))]
@@ -698,7 +699,7 @@ def test_gpu_gluon_row_tree_schedules_give_the_tl_bits(k):
         for m in (1, 8, 17, 33, 64) if chunks == 8 else (8, 64):
             ref = row_tree(xs[:m], ws, chunk, dtype, split=1, config=tl_tile(swapped))
             for split in [s for s in (1, 2, 4, 8) if s <= chunks]:
-                for cfg in (swapped, one_step) if chunks == 8 else (swapped,):
+                for cfg in (swapped, one_step, wide) if chunks == 8 else (swapped, wide):
                     assert torch.equal(row_tree(xs[:m], ws, chunk, dtype, split=split, config=cfg), ref), \
                         (chunks, m, split, cfg)
         for m in (129, 256, 1000) if chunks == 8 else (1000,):

@@ -66,10 +66,11 @@ class GemmConfig:
 
     def __post_init__(self):
         if self.gluon and self.swap_ab:  # swap_ws.py: one consumer warpgroup of 64 weight rows, a producer warp
-            shape_ok = self.block_n == 64 and self.num_warps == 4 and self.block_m in (16, 32, 64, 128)
+            shape_ok = self.block_n in (64, 128) and self.num_warps == 4 and self.block_m in (16, 32, 64, 128)
             if not (self.warp_specialize and shape_ok):
-                raise ValueError(f"{self}: a swapped Gluon tile (swap_ws.py) needs warp_specialize=True, block_n=64 "
-                                 "(one consumer warpgroup's wgmma M side), num_warps=4 and block_m 16, 32, 64 or 128")
+                raise ValueError(f"{self}: a swapped Gluon tile (swap_ws.py) needs warp_specialize=True, block_n 64 or "
+                                 "128 (one consumer warpgroup's one or two wgmma M sides), num_warps=4 and block_m 16, "
+                                 "32, 64 or 128")
         elif self.warp_specialize and (self.num_warps != 4 or (self.block_n if self.swap_ab else self.block_m) % 128):
             raise ValueError(f"{self}: warp_specialize needs num_warps=4 and a multiple of 128 MMA rows "
                              "(block_m, or block_n with swap_ab)")

@@ -157,6 +157,15 @@ def split_for(tiles: int, chunks: int, device: torch.device, target_programs_per
     return split
 
 
+def one_wave_split(tiles: int, chunks: int, device: torch.device) -> int:
+    """Programs per tile for the swapped Gluon subtrees, one program an SM (their ring fills it):
+    the largest power of two, at most one per chunk, whose programs fit in one wave (at least 1)."""
+    split = 1
+    while split * 2 <= chunks and tiles * split * 2 <= resident_programs(device):
+        split *= 2
+    return split
+
+
 def _split(split: int, chunks: int) -> int:
     if split not in (1, 2, 4, 8) or split > chunks:
         raise ValueError(f"row_tree: split {split} must be 1, 2, 4 or 8 and at most the {chunks} chunks")
@@ -193,7 +202,7 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
         cfg = tl_tile(cfg)  # the decode bucket's tile in the tl kernel: the same sums at every split
     if cfg.gluon and cfg.swap_ab:  # the decode bucket: swap_ws.py's subtrees, split as the tl kernel's
         tiles = triton.cdiv(m, tile_rows(m, cfg)) * triton.cdiv(n, cfg.block_n)
-        split = _split(split or split_for(tiles, chunks, x.device, cfg.programs_per_sm), chunks)
+        split = _split(split or one_wave_split(tiles, chunks, x.device), chunks)
         ws, tickets = _workspace(split, m, n, tiles, x.device)
         gemm_swap_ws(x_op, w_op, out, cfg, chunks=chunks, chunk=chunk, padded=padded, split=split, ws=ws,
                      tickets=tickets)

@@ -37,7 +37,9 @@ from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, tile_ro
 from lockstep.kernels._triton.splitk_ws import (PRODUCER_REGISTERS, SHARED_BYTES, gluon_descriptor, invalidate_ring,
                                                 ring_barriers)
 
-W_ROWS = gl.constexpr(64)  # weight rows a program: one consumer warpgroup's wgmma M side
+# weight rows a program (GemmConfig.block_n): the consumer warpgroup's wgmma M side, 64, or 128 as two
+# wgmmas a step on the same rows of x (which are then loaded once for both: a quarter less traffic)
+W_ROWS = (64, 128)
 
 
 @gluon.jit
@@ -46,6 +48,7 @@ def _producer(x_desc, w_desc, x_smem, w_smem, ready, empty, pid_w, pid_x, first,
     """The loads of chunks first .. first + PER - 1, `slots` slots of STEPS K steps each (chunk c's
     columns start at c * K_PAD)."""
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
     NBYTES: gl.constexpr = STEPS * (x_desc.block_type.nbytes + w_desc.block_type.nbytes)
     for t in range(PER * slots):
         s = t % STAGES
@@ -55,7 +58,7 @@ def _producer(x_desc, w_desc, x_smem, w_smem, ready, empty, pid_w, pid_x, first,
         chunk = t // slots
         for i in gl.static_range(STEPS):
             k = (first + chunk) * K_PAD + ((t - chunk * slots) * STEPS + i) * BLOCK_K
-            tma.async_copy_global_to_shared(w_desc, [pid_w * W_ROWS, k], bar, w_smem.index(s * STEPS + i))
+            tma.async_copy_global_to_shared(w_desc, [pid_w * BLOCK_W, k], bar, w_smem.index(s * STEPS + i))
             tma.async_copy_global_to_shared(x_desc, [pid_x * x_desc.block_type.shape[0], k], bar,
                                             x_smem.index(s * STEPS + i))
 
@@ -98,15 +101,15 @@ def _chunk(x_smem, w_smem, ready, empty, acc, prev, h1, h2, h4, t, slots, j: gl.
 
 @gluon.jit
 def _consumer(x_smem, w_smem, ready, empty, slots, PER: gl.constexpr, STAGES: gl.constexpr, STEPS: gl.constexpr,
-              BLOCK_X: gl.constexpr):
-    """The root of the program's subtree of PER chunks, [W_ROWS, BLOCK_X] fp32 (element (n, m) is
+              BLOCK_X: gl.constexpr, BLOCK_W: gl.constexpr):
+    """The root of the program's subtree of PER chunks, [BLOCK_W, BLOCK_X] fp32 (element (n, m) is
     out[m, n]); chunks alternate between two accumulators."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_X, 16])
-    acc = gl.zeros([W_ROWS, BLOCK_X], gl.float32, mma)
-    other = gl.zeros([W_ROWS, BLOCK_X], gl.float32, mma)
-    h1 = gl.zeros([W_ROWS, BLOCK_X], gl.float32, mma)  # tree_join's pending subtrees
-    h2 = gl.zeros([W_ROWS, BLOCK_X], gl.float32, mma)
-    h4 = gl.zeros([W_ROWS, BLOCK_X], gl.float32, mma)
+    acc = gl.zeros([BLOCK_W, BLOCK_X], gl.float32, mma)
+    other = gl.zeros([BLOCK_W, BLOCK_X], gl.float32, mma)
+    h1 = gl.zeros([BLOCK_W, BLOCK_X], gl.float32, mma)  # tree_join's pending subtrees
+    h2 = gl.zeros([BLOCK_W, BLOCK_X], gl.float32, mma)
+    h4 = gl.zeros([BLOCK_W, BLOCK_X], gl.float32, mma)
     t = 0
     if PER == 1:
         other, acc, h1, h2, h4, t = _chunk(x_smem, w_smem, ready, empty, other, acc, h1, h2, h4, t, slots, 0, PER,
@@ -131,22 +134,23 @@ def _gemm_swap_ws_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CH
     K = K_CHUNK (ws_ptr and ticket_ptr unused)."""
     BLOCK_X: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
     PER: gl.constexpr = CHUNKS // SPLIT
     pid_w = gl.program_id(0)
     pid_x = gl.program_id(1)
     sub = gl.program_id(2)
     slots = gl.cdiv(K_CHUNK, BLOCK_K) // STEPS
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * STEPS, BLOCK_X, BLOCK_K], x_desc.layout)
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * STEPS, W_ROWS, BLOCK_K], w_desc.layout)
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * STEPS, BLOCK_W, BLOCK_K], w_desc.layout)
     ready, empty = ring_barriers(STAGES, 1)
     root, = gl.warp_specialize([
-        (_consumer, (x_smem, w_smem, ready, empty, slots, PER, STAGES, STEPS, BLOCK_X)),
+        (_consumer, (x_smem, w_smem, ready, empty, slots, PER, STAGES, STEPS, BLOCK_X, BLOCK_W)),
         (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, pid_w, pid_x, sub * PER, slots, K_PAD, PER,
                      STAGES, STEPS)),
     ], [1], [PRODUCER_REGISTERS])
     invalidate_ring(ready, empty, STAGES)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_X, 16])
-    offs_n = pid_w * W_ROWS + gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, mma))
+    offs_n = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, mma))
     offs_m = pid_x * BLOCK_X + gl.arange(0, BLOCK_X, layout=gl.SliceLayout(0, mma))
     row_m = offs_m.to(gl.int64)[None, :]
     inside = (offs_m < M)[None, :] & (offs_n < N)[:, None]
@@ -179,8 +183,8 @@ def gemm_swap_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: 
     With chunks > 1 (the row-parallel tree, splitk.row_tree): K is `chunks` chunks of `chunk` columns
     starting every `padded` columns, summed in the canonical tree by `split` programs a tile (split > 1:
     ws [split, M, N] fp32 and zeroed tickets, one a tile)."""
-    if not (cfg.gluon and cfg.swap_ab) or cfg.block_n != W_ROWS.value:
-        raise ValueError(f"{cfg}: the swapped Gluon kernel takes gluon=True, swap_ab=True and block_n={W_ROWS.value}")
+    if not (cfg.gluon and cfg.swap_ab) or cfg.block_n not in W_ROWS:
+        raise ValueError(f"{cfg}: the swapped Gluon kernel takes gluon=True, swap_ab=True and block_n 64 or 128")
     chunk = chunk or x.shape[1]
     if not swap_ws_fits(chunk, cfg, x.dtype):
         raise ValueError(f"{cfg}: K chunks of {chunk} columns are not whole slots of {cfg.steps_per_stage} K steps; "
@@ -191,11 +195,11 @@ def gemm_swap_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: 
     m, n = out.shape
     bk = block_k(x.dtype)
     rows = tile_rows(m, cfg)
-    shared = cfg.num_stages * cfg.steps_per_stage * (rows + W_ROWS.value) * bk * x.element_size()
+    shared = cfg.num_stages * cfg.steps_per_stage * (rows + cfg.block_n) * bk * x.element_size()
     if shared > SHARED_BYTES:
         raise ValueError(f"{cfg}: {cfg.num_stages} stages of {cfg.steps_per_stage} K steps of {rows} x rows and "
-                         f"{W_ROWS.value} weight rows take {shared} bytes of shared memory, more than {SHARED_BYTES}")
-    _gemm_swap_ws_kernel[(triton.cdiv(n, W_ROWS.value), triton.cdiv(m, rows), split)](
-        gluon_descriptor(x, [rows, bk]), gluon_descriptor(weight, [W_ROWS.value, bk]), out,
+                         f"{cfg.block_n} weight rows take {shared} bytes of shared memory, more than {SHARED_BYTES}")
+    _gemm_swap_ws_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, rows), split)](
+        gluon_descriptor(x, [rows, bk]), gluon_descriptor(weight, [cfg.block_n, bk]), out,
         out if ws is None else ws, out if tickets is None else tickets, m, n, chunk, padded or chunk, out.stride(0),
         CHUNKS=chunks, SPLIT=split, STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage, num_warps=cfg.num_warps)
