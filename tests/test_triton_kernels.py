@@ -297,9 +297,22 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
         with pytest.raises(ValueError, match="gluon is the warp-specialised schedule"):
             replace(gluon, **bad)
     swapped_gluon = replace(gluon, block_m=32, block_n=64, swap_ab=True, steps_per_stage=2)  # swap_ws.py
-    for bad in (dict(block_n=128), dict(block_m=256), dict(warp_specialize=False)):
+    for bad in (dict(block_n=96), dict(block_m=256), dict(warp_specialize=False)):
         with pytest.raises(ValueError, match="a swapped Gluon tile"):
             replace(swapped_gluon, **bad)
+    # two accumulators: the unswapped Gluon tree's schedule, power-of-two tiles up to 128 columns, wgmmas in flight
+    assert replace(gluon, block_n=64, accumulators=2).accumulators == 2
+    for bad in (dict(accumulators=3), dict(accumulators=2, block_n=96), dict(accumulators=2, wgmma_in_flight=0),
+                dict(accumulators=2, block_n=256)):
+        with pytest.raises(ValueError, match="accumulators is 1, or 2"):
+            replace(gluon, **bad)
+    with pytest.raises(ValueError, match="accumulators is 1, or 2"):
+        replace(swapped_gluon, accumulators=2)
+    # the row tree's swapped Gluon subtrees run as the tl kernel's tile in the interpreter: the same bits
+    tl_swapped = mc.tl_tile(swapped_gluon)
+    for split in (1, 2, 4):
+        assert torch.equal(row_tree(x[:40], w, 12, torch.float32, split=split, config=swapped_gluon),
+                           row_tree(x[:40], w, 12, torch.float32, split=1, config=tl_swapped)), split
     with pytest.raises(ValueError, match="steps_per_stage is the swapped Gluon kernel's"):
         replace(ws, steps_per_stage=2)
     assert mc.tl_tile(swapped_gluon) == replace(swapped_gluon, gluon=False, warp_specialize=False, steps_per_stage=1)
@@ -316,6 +329,9 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
         gemm_swap_ws(xb[:, :4096], wb[:, :4096], ob, replace(sg, num_stages=8))
     with pytest.raises(ValueError, match="the swapped Gluon kernel takes"):
         gemm_swap_ws(xb, wb, ob, swapped)
+    for bad in (dict(chunks=8, chunk=512, split=2), dict(chunks=2, chunk=2048, split=4, ws=ob, tickets=ob)):
+        with pytest.raises(ValueError, match="split .* must be 1, 2, 4 or 8, at most the"):  # no workspace; > chunks
+            gemm_swap_ws(xb[:, :4096], wb[:, :4096], ob, sg, **bad)
     with pytest.raises(ValueError, match="no power of two .* needs gluon=True"):
         replace(ws, block_n=96)
     from lockstep.kernels._triton.splitk_ws import split_width

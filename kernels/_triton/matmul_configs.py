@@ -60,7 +60,8 @@ class GemmConfig:
     # between K chunks. 2: chunk j + 1's first wgmma is issued before chunk j's product is waited for
     # and joined, so the tensor cores never drain at a chunk's end (1: each chunk drained, then
     # joined). Only the schedule: each chunk's product is the same sum from zero, the tree the same.
-    # Two more accumulators a consumer: block_n up to 64 (its registers), a power of two.
+    # Two more accumulators a consumer: block_n a power of two up to 128 (at 128 and 8 chunks ptxas
+    # spills 256 bytes a thread).
     # (The swapped Gluon kernel, swap_ws.py, always alternates: its accumulators are small.)
     accumulators: int = 1
 
@@ -84,7 +85,7 @@ class GemmConfig:
         if self.accumulators not in (1, 2) or (self.accumulators == 2 and not (
                 self.gluon and not self.swap_ab and self.wgmma_in_flight == 1 and self.block_n in (16, 32, 64, 128))):
             raise ValueError(f"{self}: accumulators is 1, or 2 for an unswapped Gluon tile (gluon=True) of block_n "
-                             "16-64 (two more accumulators a consumer) with its wgmmas in flight (wgmma_in_flight=1)")
+                             "16-128 (two more accumulators a consumer) with its wgmmas in flight (wgmma_in_flight=1)")
         if self.wgmma_in_flight not in (0, 1):
             raise ValueError(f"{self}: wgmma_in_flight is 0 or 1 (wgmma groups a Gluon consumer leaves in flight)")
 
@@ -197,10 +198,23 @@ CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 # down at M = 256 against 0.892 for 6 stages waited), 128x128 with 5 beyond (0.852 / 0.839 at
 # M = 512 / 1,024 against 0.827 / 0.816 for 4 stages waited; 0.819 vs 0.821 at 4,096; H200,
 # sweep_rowtree.py --gluon-only).
+#
+# Nineteenth session (sweep_rowtree.py --swapped-only / --gluon-only, two calls, bits checked against the
+# table's kernel first): at M <= 64 the swapped subtrees in Gluon (swap_ws.py, `linear`'s decode
+# schedule: 6 slots of 2 K steps, two accumulators alternating over the chunks, split to fill one
+# wave: 2 programs a tile at o_proj's and down's 64 tiles): o_proj 1.07-1.13 / 1.07-1.11 / 0.80-0.83x
+# cuBLAS at M = 1 / 8 / 64 and down 1.13 / 1.11 / 1.04 against 0.99-1.02 / 1.01-1.04 / 0.73-0.75 and
+# 1.06 / 1.04-1.05 / 0.95 for the tl tile (4 programs a tile). 128 weight rows a program (two wgmmas
+# a step on the same x) lost: 0.53-0.63 on o_proj at M = 64. At 129-256 rows the Gluon tree with two
+# accumulators a consumer (GemmConfig.accumulators): 1.044 / 0.971 on o_proj / down at M = 256 against
+# 0.949 / 0.940 for one, each chunk drained. At 1,024 rows two accumulators (8 chunks: 256 bytes
+# spilled) read 0.828 / 0.781 against 0.769 / 0.805: not taken.
 ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
-    (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=4, programs_per_sm=1, swap_ab=True)),
+    (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=6, swap_ab=True, warp_specialize=True,
+                    gluon=True, steps_per_stage=2)),
     (128, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
-    (256, GemmConfig(block_m=128, block_n=64, group_m=8, num_warps=4, num_stages=8, warp_specialize=True, gluon=True)),
+    (256, GemmConfig(block_m=128, block_n=64, group_m=8, num_warps=4, num_stages=8, warp_specialize=True, gluon=True,
+                     accumulators=2)),
     (None, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=5, warp_specialize=True,
                       gluon=True)),
 ]
