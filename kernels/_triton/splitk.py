@@ -15,8 +15,9 @@ order (they are its top levels) and writes the tile. Which program finishes a ti
 itself (chosen from the tile count to fill the SMs at small M), change only where a sum is done,
 never which sums: every SPLIT gives the same bits, which is what lets decode-sized products use
 more programs than tiles. The tile shape (ROW_CONFIGS) only decides which program computes an
-element, as in matmul.py. The many-tile buckets (a config with warp_specialize) run the same tree
-as splitk_ws.py's Gluon kernel instead: a producer warp and two consumer warpgroups, split 1.
+element, as in matmul.py. The Gluon configs run the same tree in Gluon: the many-tile buckets in
+splitk_ws.py (a producer warp and two consumer warpgroups, split 1), the decode bucket in swap_ws.py
+(swapped subtrees, split to fill one wave, the same ticketed join).
 """
 from __future__ import annotations
 

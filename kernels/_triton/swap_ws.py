@@ -2,8 +2,8 @@
 Gluon: `linear`'s swapped buckets that set gluon (matmul_configs.py), and the row-parallel tree's
 decode bucket (splitk.py, kernels/rowlinear.py), which is the same schedule over K chunks.
 
-The same sums as the tl kernels: C^T = W @ X^T, 64 weight rows a program as the wgmma's M side and the
-rows of x (16-64, zero-filled past M by TMA) as its N side. `linear` (one chunk: matmul._gemm_swap_kernel's
+The same sums as the tl kernels: C^T = W @ X^T, 64 (or 128: two wgmmas) weight rows a program as the
+wgmma's M side and the rows of x (16-128, zero-filled past M by TMA) as its N side. `linear` (one chunk: matmul._gemm_swap_kernel's
 sums): each element accumulated in fp32 over the BLOCK_K steps in ascending k, one wgmma group a step,
 the first step from zero. The tree (splitk._row_tree_kernel's sums at the same split): each chunk's
 product so, the chunk products of a program's subtree joined in the canonical tree (_order.tree_join),
