@@ -2,7 +2,8 @@
 programs per tile (split 1: one program holds a tile's whole tree in registers, one loop over every
 chunk's steps; split > 1: subtrees, one loop per chunk; gluon: the warp-specialised tree of
 splitk_ws.py, split 1, its consumers' wgmmas waited step by step or left in flight, one or two
-accumulators a consumer; gluon-swap: swap_ws.py's subtrees at a split),
+accumulators a consumer, the tile stored from registers or by TMA; gluon-swap: swap_ws.py's
+subtrees at a split),
 bf16, vs cuBLAS and vs the plain `linear` kernel.
 
     python benchmarks/sweep_rowtree.py [OUT.md]                      # the row-parallel GEMM as it runs:
@@ -52,10 +53,11 @@ SWAPPED_GLUON_CONFIGS = [G(64, rows, 1, 4, stages, swap_ab=True, warp_specialize
                                                      (128, 6, 1), (128, 8, 1))]
 
 
-def _gluon(block_n: int, stages: int, in_flight: int = 1, group_m: int = 8, accumulators: int = 1) -> G:
+def _gluon(block_n: int, stages: int, in_flight: int = 1, group_m: int = 8, accumulators: int = 1,
+           tma_store: bool = False) -> G:
     """The warp-specialised Gluon tree (splitk_ws.py): 128-row tiles, two consumers of 64 rows."""
     return G(128, block_n, group_m, 4, stages, warp_specialize=True, gluon=True, wgmma_in_flight=in_flight,
-             accumulators=accumulators)
+             accumulators=accumulators, tma_store=tma_store)
 
 
 # 128 x 256 tiles and 6 stages of 128 x 128 fit beside a tree's pending quads only for <= 4 chunks
@@ -66,7 +68,11 @@ GLUON_CONFIGS = [_gluon(128, 4, 0), _gluon(128, 4), _gluon(128, 5), _gluon(128, 
                  _gluon(96, 6), _gluon(96, 8), _gluon(192, 4), _gluon(96, 6, group_m=1),
                  # two accumulators a consumer, alternating chunks (no drain at a chunk's end)
                  _gluon(64, 6, accumulators=2), _gluon(64, 8, accumulators=2), _gluon(128, 4, accumulators=2),
-                 _gluon(128, 5, accumulators=2)]
+                 _gluon(128, 5, accumulators=2),
+                 # the tile written through shared memory by a TMA store left in flight (as many stages as fit)
+                 _gluon(128, 6, tma_store=True), _gluon(256, 3, tma_store=True), _gluon(96, 7, tma_store=True),
+                 _gluon(192, 4, tma_store=True), _gluon(64, 7, accumulators=2, tma_store=True),
+                 _gluon(128, 4, tma_store=True), _gluon(128, 4, accumulators=2, tma_store=True)]
 WHOLE_TREE_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 8, 4), G(64, 128, 8, 4, 4),
                       G(128, 64, 8, 4, 4), *GLUON_CONFIGS]
 
@@ -121,7 +127,8 @@ def main() -> None:
                     "swap" if cfg.swap_ab else "-")
                 key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm, kind, cfg.group_m,
                        split or "auto", *((f"{cfg.steps_per_stage}steps",) if cfg.steps_per_stage > 1 else ()),
-                       *((f"{cfg.accumulators}acc",) if cfg.accumulators > 1 else ()))
+                       *((f"{cfg.accumulators}acc",) if cfg.accumulators > 1 else ()),
+                       *(("tma",) if cfg.tma_store else ()))
                 fn = lambda: row_tree(x, w, chunk, x.dtype, split=split, config=cfg)  # noqa: E731
                 try:
                     got = fn()

@@ -692,9 +692,10 @@ def test_gpu_row_parallel_linear_row_invariant_qwen3_8b(k):
 def test_gpu_gluon_row_tree_schedules_give_the_tl_bits(k):
     """The row tree's Gluon schedules give the tl kernel's bits on the same tiles: the swapped
     subtrees of swap_ws.py (two accumulators over the chunks, slots of 1 or 2 K steps, 64 or 128
-    weight rows, the ticketed join at a split) at decode sizes, every split and a TP rank's chunk counts; the unswapped tree
-    with two accumulators a consumer (64- and 128-column tiles); and a swapped split captured in a
-    CUDA graph, replayed (each tile's tickets left at zero for the next replay)."""
+    weight rows, the ticketed join at a split) at decode sizes, every split and a TP rank's chunk
+    counts; the unswapped tree with two accumulators a consumer (64- and 128-column tiles), and with
+    its tiles leaving by TMA store (bf16 out; a TP rank's fp32 roots where they fit); and a swapped
+    split captured in a CUDA graph, replayed (each tile's tickets left at zero for the next replay)."""
     from dataclasses import replace
 
     from lockstep.kernels._triton.matmul_configs import GemmConfig, tl_tile
@@ -707,8 +708,9 @@ def test_gpu_gluon_row_tree_schedules_give_the_tl_bits(k):
     one_step = replace(swapped, num_stages=8, steps_per_stage=1)
     wide = replace(swapped, block_n=128, num_stages=4)  # 128 weight rows: two wgmmas a step
     plain = GemmConfig(64, 128, 8, 4, 4)  # the tl kernel's unswapped tile
-    alternating = [GemmConfig(128, n, 8, 4, stages, warp_specialize=True, gluon=True, accumulators=2)
-                   for n, stages in ((64, 8), (128, 4))]
+    alternating = [GemmConfig(128, n, 8, 4, stages, warp_specialize=True, gluon=True, accumulators=acc, tma_store=tma)
+                   for n, stages, acc, tma in ((64, 8, 2, False), (128, 4, 2, False), (64, 7, 2, True),
+                                               (128, 4, 1, True))]
     for chunks in (8, 4, 2, 1):
         xs, ws = x[:, :chunks * chunk].contiguous(), w[:, :chunks * chunk].contiguous()
         dtype = BF16 if chunks == 8 else torch.float32  # unsharded: rounded; a TP rank's root: fp32

@@ -64,6 +64,12 @@ class GemmConfig:
     # spills 256 bytes a thread).
     # (The swapped Gluon kernel, swap_ws.py, always alternates: its accumulators are small.)
     accumulators: int = 1
+    # The unswapped Gluon consumer (splitk_ws.py) writes each finished tile to shared memory and leaves
+    # it to a TMA store it does not wait for, so the next tile's wgmmas overlap the write (False: a
+    # store from registers, which the consumer issues before its next tile). Only where the two
+    # consumers' tiles fit beside the ring (and a tree's quads) and the output is a TMA operand; a TP
+    # rank's fp32 subtree roots, twice the bytes, may not, and leave from registers: the same values.
+    tma_store: bool = False
 
     def __post_init__(self):
         if self.gluon and self.swap_ab:  # swap_ws.py: one consumer warpgroup of 64 weight rows, a producer warp
@@ -86,6 +92,8 @@ class GemmConfig:
                 self.gluon and not self.swap_ab and self.wgmma_in_flight == 1 and self.block_n in (16, 32, 64, 128))):
             raise ValueError(f"{self}: accumulators is 1, or 2 for an unswapped Gluon tile (gluon=True) of block_n "
                              "16-128 (two more accumulators a consumer) with its wgmmas in flight (wgmma_in_flight=1)")
+        if self.tma_store and not (self.gluon and not self.swap_ab):
+            raise ValueError(f"{self}: tma_store is the unswapped Gluon consumer's epilogue (gluon=True, swap_ab=False)")
         if self.wgmma_in_flight not in (0, 1):
             raise ValueError(f"{self}: wgmma_in_flight is 0 or 1 (wgmma groups a Gluon consumer leaves in flight)")
 

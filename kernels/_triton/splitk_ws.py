@@ -30,9 +30,11 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import resident_programs
 from lockstep.kernels._triton._order import grouped_tile, tree_join
 from lockstep.kernels._triton.matmul_configs import GemmConfig
@@ -136,6 +138,17 @@ def _alternating_chunk(x_smem, w_smem, ready, empty, quad_smem, acc, prev, h1, h
 
 
 @gluon.jit
+def _store_tma(acc, o_desc, c_smem, row0, col0):
+    """acc to out[row0:, col0:] through shared memory and a TMA store left in flight, so the next
+    tile's wgmmas overlap it (GemmConfig.tma_store); the previous tile's store has read the buffer
+    first. The TMA clips what lies past M and N."""
+    tma.store_wait(0)
+    c_smem.store(acc.to(o_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [row0, col0], c_smem)
+
+
+@gluon.jit
 def _store(acc, out_ptr, row0, col0, M, N, stride_o, layout: gl.constexpr):
     offs_m = row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
     offs_n = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
@@ -144,10 +157,10 @@ def _store(acc, out_ptr, row0, col0, M, N, stride_o, layout: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(x_smem, w_smem, wt_smem, ready, empty, quad_smem, quadt_smem, out_ptr, M, N, stride_o, my_tiles, pid,
-              num_programs, steps, num_pid_m, num_pid_n, ROW_HALF: gl.constexpr, CHUNKS: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, HEAD: gl.constexpr, TAIL: gl.constexpr,
-              IN_FLIGHT: gl.constexpr, ALTERNATE: gl.constexpr):
+def _consumer(x_smem, w_smem, wt_smem, ready, empty, quad_smem, quadt_smem, out_ptr, o_desc, ot_desc, c_smem, ct_smem,
+              M, N, stride_o, my_tiles, pid, num_programs, steps, num_pid_m, num_pid_n, ROW_HALF: gl.constexpr,
+              CHUNKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, HEAD: gl.constexpr,
+              TAIL: gl.constexpr, IN_FLIGHT: gl.constexpr, ALTERNATE: gl.constexpr, TMA_STORE: gl.constexpr):
     """Rows ROW_HALF * ROWS .. + ROWS of every tile: multiply, free the slot, join at chunk ends
     (the quads waiting in quad_smem, quadt_smem), write the root. A tile of HEAD + TAIL columns
     (TAIL > 0: a width that is no power of two) is two products, HEAD and TAIL columns wide, each
@@ -207,9 +220,16 @@ def _consumer(x_smem, w_smem, wt_smem, ready, empty, quad_smem, quadt_smem, out_
                 if TAIL > 0:
                     h1_t, h2_t, acc_t = _join(acc_t, j, h1_t, h2_t, quadt_smem, mma_t, CHUNKS)
         row0 = pid_m * 2 * ROWS + ROW_HALF * ROWS
-        _store(acc, out_ptr, row0, pid_n * BLOCK_N, M, N, stride_o, mma)
-        if TAIL > 0:
-            _store(acc_t, out_ptr, row0, pid_n * BLOCK_N + HEAD, M, N, stride_o, mma_t)
+        if TMA_STORE:
+            _store_tma(acc, o_desc, c_smem, row0, pid_n * BLOCK_N)
+            if TAIL > 0:
+                _store_tma(acc_t, ot_desc, ct_smem, row0, pid_n * BLOCK_N + HEAD)
+        else:
+            _store(acc, out_ptr, row0, pid_n * BLOCK_N, M, N, stride_o, mma)
+            if TAIL > 0:
+                _store(acc_t, out_ptr, row0, pid_n * BLOCK_N + HEAD, M, N, stride_o, mma_t)
+    if TMA_STORE:  # the last tile's stores have left shared memory
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -224,11 +244,12 @@ def _quad(ROWS: gl.constexpr, COLS: gl.constexpr, CHUNKS: gl.constexpr):
 
 # M is not specialised (one binary for every batch size), as in splitk._row_tree_kernel.
 @gluon.jit(do_not_specialize=["M"])
-def _row_tree_ws_kernel(x_desc, w_desc, wt_desc, out_ptr, M, N, K_CHUNK, K_PAD, stride_o, num_programs,
-                        CHUNKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr,
-                        IN_FLIGHT: gl.constexpr, ALTERNATE: gl.constexpr):
+def _row_tree_ws_kernel(x_desc, w_desc, wt_desc, o_desc, ot_desc, out_ptr, M, N, K_CHUNK, K_PAD, stride_o,
+                        num_programs, CHUNKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                        TAIL: gl.constexpr, IN_FLIGHT: gl.constexpr, ALTERNATE: gl.constexpr, TMA_STORE: gl.constexpr):
     """TAIL > 0: a tile's weight rows are w_desc's block (a power of two) and wt_desc's TAIL more;
-    TAIL = 0: w_desc's block alone (wt_desc unused)."""
+    TAIL = 0: w_desc's block alone (wt_desc unused). TMA_STORE: the tile leaves through o_desc's
+    (and ot_desc's) blocks of out; otherwise through out_ptr (the descriptors unused)."""
     ROWS: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     HEAD: gl.constexpr = w_desc.block_type.shape[0]
@@ -249,14 +270,24 @@ def _row_tree_ws_kernel(x_desc, w_desc, wt_desc, out_ptr, M, N, K_CHUNK, K_PAD, 
     quad1 = _quad(ROWS, HEAD, CHUNKS)
     quadt0 = _quad(ROWS, TAIL, CHUNKS)
     quadt1 = _quad(ROWS, TAIL, CHUNKS)
+    if TMA_STORE:  # each consumer's tile on its way out
+        c0 = gl.allocate_shared_memory(o_desc.dtype, [ROWS, HEAD], o_desc.layout)
+        c1 = gl.allocate_shared_memory(o_desc.dtype, [ROWS, HEAD], o_desc.layout)
+        if TAIL > 0:
+            ct0 = gl.allocate_shared_memory(ot_desc.dtype, [ROWS, TAIL], ot_desc.layout)
+            ct1 = gl.allocate_shared_memory(ot_desc.dtype, [ROWS, TAIL], ot_desc.layout)
+        else:
+            ct0, ct1 = c0, c1
+    else:  # (unused)
+        c0, c1, ct0, ct1 = quad0, quad1, quadt0, quadt1
     # (the argument tuples are written out in the call: a tuple variable loses their constexprs)
     gl.warp_specialize([
-        (_consumer, (x0_smem, w_smem, wt_smem, ready, empty, quad0, quadt0, out_ptr, M, N, stride_o, my_tiles, pid,
-                     num_programs, steps, num_pid_m, num_pid_n, 0, CHUNKS, GROUP_M, STAGES, ROWS, HEAD, TAIL,
-                     IN_FLIGHT, ALTERNATE)),
-        (_consumer, (x1_smem, w_smem, wt_smem, ready, empty, quad1, quadt1, out_ptr, M, N, stride_o, my_tiles, pid,
-                     num_programs, steps, num_pid_m, num_pid_n, 1, CHUNKS, GROUP_M, STAGES, ROWS, HEAD, TAIL,
-                     IN_FLIGHT, ALTERNATE)),
+        (_consumer, (x0_smem, w_smem, wt_smem, ready, empty, quad0, quadt0, out_ptr, o_desc, ot_desc, c0, ct0, M, N,
+                     stride_o, my_tiles, pid, num_programs, steps, num_pid_m, num_pid_n, 0, CHUNKS, GROUP_M, STAGES,
+                     ROWS, HEAD, TAIL, IN_FLIGHT, ALTERNATE, TMA_STORE)),
+        (_consumer, (x1_smem, w_smem, wt_smem, ready, empty, quad1, quadt1, out_ptr, o_desc, ot_desc, c1, ct1, M, N,
+                     stride_o, my_tiles, pid, num_programs, steps, num_pid_m, num_pid_n, 1, CHUNKS, GROUP_M, STAGES,
+                     ROWS, HEAD, TAIL, IN_FLIGHT, ALTERNATE, TMA_STORE)),
         (_producer, (x_desc, w_desc, wt_desc, x0_smem, x1_smem, w_smem, wt_smem, ready, empty, my_tiles, pid,
                      num_programs, steps, num_pid_m, num_pid_n, K_PAD, CHUNKS, GROUP_M, STAGES, TAIL)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
@@ -274,9 +305,13 @@ def split_width(block_n: int) -> tuple[int, int]:
     return head, tail
 
 
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
 def gluon_layout(block: list[int], dtype: torch.dtype = torch.bfloat16) -> gl.NVMMASharedLayout:
-    """The shared layout of a TMA block of a 16-bit matrix (the wgmma operand swizzle)."""
-    return gl.NVMMASharedLayout.get_default_for(block, {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype])
+    """The shared layout of a TMA block of a matrix (16-bit: the wgmma operand swizzle; fp32: a
+    tree's subtree roots on their way out)."""
+    return gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[dtype])
 
 
 def gluon_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -307,7 +342,14 @@ def row_tree_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, chunks
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = min(tiles, resident_programs(x.device))
     w_desc = gluon_descriptor(weight, [head, bk])
+    # GemmConfig.tma_store: where both consumers' tiles fit beside the ring and the quads and out is a
+    # TMA operand (a TP rank's fp32 roots may not fit: they leave from registers, the same values)
+    tma_store = (cfg.tma_store and shared + 2 * HALF * cfg.block_n * out.element_size() <= SHARED_BYTES
+                 and is_aligned(out) and (out.stride(0) * out.element_size()) % ALIGN_BYTES == 0)
+    o_desc = gluon_descriptor(out, [HALF, head]) if tma_store else w_desc
+    ot_desc = gluon_descriptor(out, [HALF, tail]) if tma_store and tail else o_desc
     _row_tree_ws_kernel[(programs,)](
-        gluon_descriptor(x, [HALF, bk]), w_desc, gluon_descriptor(weight, [tail, bk]) if tail else w_desc, out, m, n,
-        chunk, padded, out.stride(0), programs, CHUNKS=chunks, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, TAIL=tail,
-        IN_FLIGHT=cfg.wgmma_in_flight, ALTERNATE=cfg.accumulators == 2 and chunks > 1, num_warps=cfg.num_warps)
+        gluon_descriptor(x, [HALF, bk]), w_desc, gluon_descriptor(weight, [tail, bk]) if tail else w_desc, o_desc,
+        ot_desc, out, m, n, chunk, padded, out.stride(0), programs, CHUNKS=chunks, GROUP_M=cfg.group_m,
+        STAGES=cfg.num_stages, TAIL=tail, IN_FLIGHT=cfg.wgmma_in_flight, ALTERNATE=cfg.accumulators == 2 and chunks > 1,
+        TMA_STORE=tma_store, num_warps=cfg.num_warps)
