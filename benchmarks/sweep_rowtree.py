@@ -77,13 +77,14 @@ WHOLE_TREE_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 
                       G(128, 64, 8, 4, 4), *GLUON_CONFIGS]
 
 
-def candidates(m: int, chunks: int, whole_only: bool = False, gluon_only: bool = False, swapped_only: bool = False):
+def candidates(m: int, chunks: int, whole_only: bool = False, gluon_only: bool = False, swapped_only: bool = False,
+               tma_only: bool = False):
     if swapped_only:
         yield from ((cfg, split) for cfg in [SPLIT_CONFIGS[3], *SWAPPED_GLUON_CONFIGS]  # the tl kernel's best
                     for split in SPLITS if not split or split <= chunks)
         return
     if gluon_only:
-        yield from ((cfg, 1) for cfg in GLUON_CONFIGS)
+        yield from ((cfg, 1) for cfg in GLUON_CONFIGS if cfg.tma_store or not tma_only)
         return
     if m <= 256 and not whole_only:
         yield from ((cfg, split) for cfg in SPLIT_CONFIGS for split in SPLITS if not split or split <= chunks)
@@ -100,6 +101,7 @@ def main() -> None:
     p.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated row counts (default: %(default)s)")
     p.add_argument("--whole-only", action="store_true", help="only whole-tree (split 1) candidates, at every M")
     p.add_argument("--gluon-only", action="store_true", help="only the Gluon tree's candidates, at every M")
+    p.add_argument("--tma-only", action="store_true", help="with --gluon-only: only the TMA-store candidates")
     p.add_argument("--swapped-only", action="store_true",
                    help="only the swapped split candidates (the M <= 64 bucket's kind: the tl kernel's best "
                         "64-row tile and the Gluon ones), at every M")
@@ -122,7 +124,8 @@ def main() -> None:
             linear = graph_ms_per_call(lambda: K.linear(x, w)) * 1e3
             default = graph_ms_per_call(lambda: row_tree(x, w, chunk, x.dtype)) * 1e3
             best = (default, "default")
-            for cfg, split in candidates(m, args.chunks, args.whole_only, args.gluon_only, args.swapped_only):
+            for cfg, split in candidates(m, args.chunks, args.whole_only, args.gluon_only, args.swapped_only,
+                                         args.tma_only):
                 kind = ("gluon-swap" if cfg.swap_ab else f"gluon{cfg.wgmma_in_flight}") if cfg.gluon else (
                     "swap" if cfg.swap_ab else "-")
                 key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm, kind, cfg.group_m,
