@@ -355,12 +355,14 @@ def test_row_parallel_linear_row_invariant():
 _ROW_TREE_PROBE = r"""
 import json
 from sm90 import compile_sm90
+import torch
 from lockstep.kernels._triton import splitk as S, splitk_ws as W, swap_ws as SW
 from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, ROW_CONFIGS_16BIT, WIDTH_CONFIGS_16BIT
 
 out = []
 # linear: one chunk (its swapped Gluon configs run swap_ws.py: _GEMM_PROBE)
 gluon_linear = [(cfg, (1,)) for *_, cfg in WIDTH_CONFIGS_16BIT + CONFIGS_16BIT if cfg.gluon and not cfg.swap_ab]
+linear_cfgs = [cfg for cfg, _ in gluon_linear]
 for cfg, chunk_counts in [(cfg, (8, 4, 2, 1)) for _, cfg in ROW_CONFIGS_16BIT] + gluon_linear:
     if cfg.gluon and cfg.swap_ab:  # the decode bucket's subtrees (swap_ws.py) at every TP size and split
         for chunks in chunk_counts:
@@ -376,14 +378,20 @@ for cfg, chunk_counts in [(cfg, (8, 4, 2, 1)) for _, cfg in ROW_CONFIGS_16BIT] +
     if cfg.warp_specialize:  # the Gluon tree (splitk_ws.py), as row_tree launches it
         for chunks in chunk_counts:  # the tree at TP 1, 2, 4, 8; `linear`'s product
             head, tail = W.split_width(cfg.block_n)
+            out_dtype = torch.bfloat16 if chunks == 8 or cfg in linear_cfgs else torch.float32  # a TP root: fp32
+            odt = {torch.bfloat16: "bf16", torch.float32: "fp32"}[out_dtype]
+            tma = W.tma_store_fits(cfg, chunks, 64, 2, out_dtype.itemsize)  # as row_tree_ws decides
             descs = {"x_desc": f"tensordesc<bf16[{W.HALF}, 64],{W.gluon_layout([W.HALF, 64])!r}>",
                      "w_desc": f"tensordesc<bf16[{head}, 64],{W.gluon_layout([head, 64])!r}>",
                      "wt_desc": f"tensordesc<bf16[{tail or head}, 64],{W.gluon_layout([tail or head, 64])!r}>",
-                     "out_ptr": "*bf16" if chunks == 8 else "*fp32"}
+                     "out_ptr": f"*{odt}"}
+            for name, cols in (("o_desc", head), ("ot_desc", tail or head)):
+                descs[name] = (f"tensordesc<{odt}[{W.HALF}, {cols}],{W.gluon_layout([W.HALF, cols], out_dtype)!r}>"
+                               if tma else descs["w_desc"])
             ce = dict(CHUNKS=chunks, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, TAIL=tail,
-                      IN_FLIGHT=cfg.wgmma_in_flight, ALTERNATE=cfg.accumulators == 2 and chunks > 1)
+                      IN_FLIGHT=cfg.wgmma_in_flight, ALTERNATE=cfg.accumulators == 2 and chunks > 1, TMA_STORE=tma)
             r = compile_sm90(W._row_tree_ws_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, 1)
-            out.append(dict(r, tile=[cfg.block_m, cfg.block_n], split=1, chunks=chunks, gluon=True))
+            out.append(dict(r, tile=[cfg.block_m, cfg.block_n], split=1, chunks=chunks, gluon=True, tma=tma))
         continue
     descs = {"x_desc": f"tensordesc<bf16[{cfg.block_m}, 64]>", "w_desc": f"tensordesc<bf16[{cfg.block_n}, 64]>",
              "out_ptr": "*bf16", "ws_ptr": "*fp32", "ticket_ptr": "*i32"}
@@ -415,6 +423,7 @@ def test_row_tree_compiles_to_wgmma():
     assert all(r["spill_bytes"] == 0 for r in results if r["split"] == 2 and not r.get("gluon")), results
     gluon = [r for r in results if r.get("gluon")]
     assert {r["chunks"] for r in gluon} == {8, 4, 2, 1}, "the tables have Gluon buckets: probe every chunk count"
+    assert any(r.get("tma") for r in gluon), "the tables have TMA-store Gluon buckets: probe them"
     for r in gluon:  # the pending subtrees fit (at most a few spilled bytes; the swapped split-8 root's
         # eight loads a little more, as the tl kernel's) and so do the stages
         assert r["spill_bytes"] <= (512 if r["split"] == 8 else 64) and r["shared_bytes"] <= 227 * 1024, r

@@ -160,25 +160,32 @@ WIDTH_CONFIGS_16BIT: list[tuple[int, int, int, int, GemmConfig]] = [
     # the table before (128x128, 4 stages, each wgmma waited) in the first; 128x256 (each consumer a
     # 64x256 wgmma) with 3 stages above: 0.973 / 0.971x at M = 1,024 against 0.890x (H200,
     # sweep_rowtree.py --gluon-only --shapes column --chunks 1).
+    # Nineteenth session: each tile leaves by a TMA store the consumer does not wait for (tma_store),
+    # so the next tile's wgmmas overlap it: 0.935 / 0.897x cuBLAS at M = 256 / 1,024 against 0.899 /
+    # 0.848x for these tiles stored from registers, in one call (sweep_rowtree.py --gluon-only
+    # --tma-only --shapes column --chunks 1, bits checked against `linear` and the tree first).
     (129, 256, 16384, 1, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=6,
-                                 warp_specialize=True, gluon=True)),
+                                 warp_specialize=True, gluon=True, tma_store=True)),
     (257, 1024, 16384, 1, GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=4, num_stages=3,
-                                     warp_specialize=True, gluon=True)),
+                                     warp_specialize=True, gluon=True, tma_store=True)),
     # qkv's width (N = 6,144 = 64 x 96) at 129-256 rows: warp-specialised Gluon tiles of 128 x 96 (each
     # consumer a 64-wide and a 32-wide wgmma a step), 8 stages, the wgmmas left in flight: 128 tiles
     # fill the 132 SMs where 128x128 leaves 36 idle. 0.865x cuBLAS at M = 256 against 0.775x for
     # 128x128 (6 stages) and 0.698x for the swapped 256x64 bucket in an earlier call (H200,
     # sweep_rowtree.py --gluon-only --shapes column --chunks 1, bits checked against the table's kernel);
-    # benchmarks/kernels.py's alternating turns read 0.930-0.934x in two calls.
-    (129, 256, 96, 96, GemmConfig(block_m=128, block_n=96, group_m=8, num_warps=4, num_stages=8,
-                                 warp_specialize=True, gluon=True)),
+    # benchmarks/kernels.py's alternating turns read 0.930-0.934x in two calls. Nineteenth session:
+    # stored by TMA (tma_store; 7 stages beside the tile's buffers), 0.942x against 0.863x for 8
+    # stages stored from registers, in one call (as for gate/up above).
+    (129, 256, 96, 96, GemmConfig(block_m=128, block_n=96, group_m=8, num_warps=4, num_stages=7,
+                                 warp_specialize=True, gluon=True, tma_store=True)),
     # ... and at 257-1,024 rows, tiles of 128 x 192 (a 128- and a 64-wide wgmma a consumer), 4 stages:
     # 0.881 / 0.903x cuBLAS at M = 512 / 1,024 against 0.676 / 0.846x for the bucket's Triton pass on
     # 128x128 tiles, in the same call (as above); kernels.py read 0.853-0.864x at 1,024 in two calls.
     # At o_proj's N = 4,096 these widths leave a partial column of tiles: 0.678 / 0.618x at M = 256 /
     # 1,024 in kernels.py, hence "a multiple of".
+    # Nineteenth session, stored by TMA: 0.992x at M = 1,024 against 0.903x from registers (one call).
     (257, 1024, 192, 192, GemmConfig(block_m=128, block_n=192, group_m=8, num_warps=4, num_stages=4,
-                                   warp_specialize=True, gluon=True)),
+                                   warp_specialize=True, gluon=True, tma_store=True)),
 ]
 
 # fp32 runs `tl.dot(..., input_precision="ieee")` on FMA units (no tensor cores): exact fp32
@@ -223,8 +230,13 @@ ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     (128, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
     (256, GemmConfig(block_m=128, block_n=64, group_m=8, num_warps=4, num_stages=8, warp_specialize=True, gluon=True,
                      accumulators=2)),
-    (None, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=5, warp_specialize=True,
-                      gluon=True)),
+    # Nineteenth session: above 256 rows the tiles leave by TMA store (4 stages beside the tile
+    # buffers and the quads): 0.786 / 0.832x on o_proj / down at M = 1,024 against 0.761 / 0.794x
+    # for 5 stages stored from registers (one call, sweep_rowtree.py --gluon-only --tma-only); with
+    # two accumulators as well 0.811 / 0.821 (256 bytes spilled): not taken. At 129-256 rows the
+    # TMA store (7 stages) read 0.832 / 0.943 against the table's 0.821 / 0.986: not taken.
+    (None, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=4, warp_specialize=True,
+                      gluon=True, tma_store=True)),
 ]
 ROW_CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
     (None, GemmConfig(block_m=64, block_n=32, group_m=8, num_warps=4, num_stages=2, programs_per_sm=2)),

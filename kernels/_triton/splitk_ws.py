@@ -319,6 +319,19 @@ def gluon_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, gluon_layout(block, t.dtype))
 
 
+def _ring_and_quads(cfg: GemmConfig, chunks: int, bk: int, operand_bytes: int) -> int:
+    """Shared bytes of the ring's x and weight tiles and, for 8 chunks, the two consumers' pending quads."""
+    quads = 2 * HALF * cfg.block_n * 4 if chunks > 4 else 0
+    return cfg.num_stages * (2 * HALF + cfg.block_n) * bk * operand_bytes + quads
+
+
+def tma_store_fits(cfg: GemmConfig, chunks: int, bk: int, operand_bytes: int, out_bytes: int) -> bool:
+    """Whether cfg's tiles leave by TMA store (GemmConfig.tma_store): the two consumers' output tiles
+    fit in shared memory beside the ring and the quads."""
+    return cfg.tma_store and (_ring_and_quads(cfg, chunks, bk, operand_bytes) + 2 * HALF * cfg.block_n * out_bytes
+                              <= SHARED_BYTES)
+
+
 def row_tree_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, chunks: int, chunk: int, padded: int,
                 bk: int, cfg: GemmConfig) -> None:
     """out [M, N] = the canonical tree over the `chunks` chunks of x [M, chunks * padded] @ weight^T
@@ -333,8 +346,7 @@ def row_tree_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, chunks
         raise ValueError(f"row_tree: {cfg}: the warp-specialised tree takes block_m={2 * HALF} (two consumer "
                          f"warpgroups of {HALF} rows) and num_warps=4 (each consumer's warps)")
     head, tail = split_width(cfg.block_n)
-    quads = 2 * HALF * cfg.block_n * 4 if chunks > 4 else 0  # the two consumers' pending quads (fp32)
-    shared = cfg.num_stages * (2 * HALF + cfg.block_n) * bk * x.element_size() + quads
+    shared = _ring_and_quads(cfg, chunks, bk, x.element_size())
     if shared > SHARED_BYTES:
         raise ValueError(f"row_tree: {cfg}: {cfg.num_stages} stages of x and weight tiles plus the two pending quads "
                          f"take {shared} bytes of shared memory, more than the {SHARED_BYTES} of a Hopper SM")
@@ -344,7 +356,7 @@ def row_tree_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, chunks
     w_desc = gluon_descriptor(weight, [head, bk])
     # GemmConfig.tma_store: where both consumers' tiles fit beside the ring and the quads and out is a
     # TMA operand (a TP rank's fp32 roots may not fit: they leave from registers, the same values)
-    tma_store = (cfg.tma_store and shared + 2 * HALF * cfg.block_n * out.element_size() <= SHARED_BYTES
+    tma_store = (tma_store_fits(cfg, chunks, bk, x.element_size(), out.element_size())
                  and is_aligned(out) and (out.stride(0) * out.element_size()) % ALIGN_BYTES == 0)
     o_desc = gluon_descriptor(out, [HALF, head]) if tma_store else w_desc
     ot_desc = gluon_descriptor(out, [HALF, tail]) if tma_store and tail else o_desc
