@@ -246,14 +246,15 @@ ROW_CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 def tl_tile(config: GemmConfig) -> GemmConfig:
     """A Gluon config as the tl kernel runs its tile (the backward's operand layouts, Triton's
     interpreter): at most MAX_WARP_SPECIALIZED_STAGES stages and block_n rounded down to a power of
-    two (its first product's width); a swapped one unspecialised, one K step a stage. None of it
-    changes an element's sum."""
+    two (its first product's width), without the Gluon consumer's schedule (one accumulator, stores
+    from registers); a swapped one unspecialised, one K step a stage. None of it changes an
+    element's sum."""
     if not config.gluon:
         return config
     if config.swap_ab:
         return replace(config, gluon=False, warp_specialize=False, steps_per_stage=1)
     return replace(config, gluon=False, num_stages=min(config.num_stages, MAX_WARP_SPECIALIZED_STAGES),
-                   block_n=1 << (config.block_n.bit_length() - 1))
+                   block_n=1 << (config.block_n.bit_length() - 1), accumulators=1, tma_store=False)
 
 
 def tile_rows(m: int, config: GemmConfig) -> int:
