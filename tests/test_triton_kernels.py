@@ -281,6 +281,7 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
     assert mc.tl_tile(replace(gluon, block_n=96, num_stages=8)) == replace(ws, block_n=64, num_stages=4)
     assert mc.tl_tile(replace(gluon, block_n=64, accumulators=2, tma_store=True)) == replace(ws, block_n=64)
     for cfg, ms in ((ws, (1, 130, 300)), (swapped, (1, 40)), (gluon, (1, 130)), (replace(gluon, block_n=96), (130,)),
+                    (replace(gluon, block_n=64, tma_store=True), (130,)),
                     (replace(gluon, block_m=32, block_n=64, swap_ab=True, steps_per_stage=2), (1, 40))):
         monkeypatch.setattr(mc, "CONFIGS_FP32", [(None, cfg)])
         for m in ms:
