@@ -217,10 +217,12 @@ CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 # Nineteenth session (sweep_rowtree.py --swapped-only / --gluon-only, two calls, bits checked against the
 # table's kernel first): at M <= 64 the swapped subtrees in Gluon (swap_ws.py, `linear`'s decode
 # schedule: 6 slots of 2 K steps, two accumulators alternating over the chunks, split to fill one
-# wave: 2 programs a tile at o_proj's and down's 64 tiles): o_proj 1.07-1.13 / 1.07-1.11 / 0.80-0.83x
-# cuBLAS at M = 1 / 8 / 64 and down 1.13 / 1.11 / 1.04 against 0.99-1.02 / 1.01-1.04 / 0.73-0.75 and
-# 1.06 / 1.04-1.05 / 0.95 for the tl tile (4 programs a tile). 128 weight rows a program (two wgmmas
-# a step on the same x) lost: 0.53-0.63 on o_proj at M = 64. At 129-256 rows the Gluon tree with two
+# wave: 2 programs a tile at o_proj's and down's 64 tiles), the two calls' readings: o_proj 1.036 /
+# 1.000, 1.023 / 1.040, 0.833 / 0.768x cuBLAS at M = 1, 8, 64 and down 1.131 / 1.128, 1.108 / 1.111,
+# 1.035 / 1.042, against o_proj 1.016 / 1.016, 1.018 / 1.032, 0.747 / 0.726 and down 1.049 / 1.061,
+# 1.038 / 1.049, 0.950 / 0.950 for the tl tile (4 programs a tile). 4 programs a tile (two waves:
+# one program an SM) lost (0.55-0.57 on o_proj at M = 64), and so did 128 weight rows a program (two
+# wgmmas a step on the same x): 0.53-0.63. At 129-256 rows the Gluon tree with two
 # accumulators a consumer (GemmConfig.accumulators): 1.044 / 0.971 on o_proj / down at M = 256 against
 # 0.949 / 0.940 for one, each chunk drained. At 1,024 rows two accumulators (8 chunks: 256 bytes
 # spilled) read 0.828 / 0.781 against 0.769 / 0.805: not taken.
