@@ -111,29 +111,56 @@ def _join(v, j, h1, h2, quad_smem, layout: gl.constexpr, CHUNKS: gl.constexpr):
 
 
 @gluon.jit
-def _alternating_chunk(x_smem, w_smem, ready, empty, quad_smem, acc, prev, h1, h2, t, steps, j: gl.constexpr,
-                       layout: gl.constexpr, CHUNKS: gl.constexpr, STAGES: gl.constexpr):
-    """Chunk j of a tile into acc, from zero over its steps in ascending k, each step's wgmma left in
-    flight while the previous step's slot is freed (GemmConfig.accumulators = 2). For j > 0, chunk
-    j - 1 is in prev with its last wgmma still in flight: it is waited for once acc's first wgmma is
-    issued (wgmma groups complete in issue order), and joins the tree while that one runs."""
+def issue_slot(a_smem, b_smem, ready, acc, t, first_from_zero: gl.constexpr, STAGES: gl.constexpr,
+               STEPS: gl.constexpr):
+    """Once slot t's loads landed, its STEPS wgmma groups acc += a @ b^T (STEPS buffers a slot in
+    a_smem and b_smem), ascending k, left in flight; first_from_zero: the first starts from zero."""
     s = t % STAGES
     mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-    acc = warpgroup_mma(x_smem.index(s), w_smem.index(s).permute((1, 0)), acc, use_acc=False, is_async=True)
-    if j > 0:
-        prev, acc = warpgroup_mma_wait(num_outstanding=1, deps=(prev, acc))
-        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)  # chunk j - 1's last slot
-        h1, h2, prev = _join(prev, j - 1, h1, h2, quad_smem, layout, CHUNKS)
-    else:  # nothing else in flight: the wait only hands acc on (as a tensor) with its wgmma still running
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-    t += 1
-    for ki in range(1, steps):
-        s = t % STAGES
-        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-        acc = warpgroup_mma(x_smem.index(s), w_smem.index(s).permute((1, 0)), acc, use_acc=True, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+    for i in gl.static_range(STEPS):
+        acc = warpgroup_mma(a_smem.index(s * STEPS + i), b_smem.index(s * STEPS + i).permute((1, 0)), acc,
+                            use_acc=i > 0 or not first_from_zero, is_async=True)
+    return acc
+
+
+@gluon.jit
+def open_chunk(a_smem, b_smem, ready, empty, acc, prev, t, JOIN_PREV: gl.constexpr, STAGES: gl.constexpr,
+               STEPS: gl.constexpr):
+    """A K chunk's first slot into acc, from zero, with two accumulators alternating over the chunks
+    (GemmConfig.accumulators; swap_ws.py always). JOIN_PREV: the previous chunk is in prev with its
+    last slot's groups in flight; once acc's are issued they are waited for (wgmma groups complete in
+    issue order) and their slot freed, so the caller joins prev into the tree while acc's groups run.
+    Returns acc, prev and the next slot."""
+    acc = issue_slot(a_smem, b_smem, ready, acc, t, True, STAGES, STEPS)
+    if JOIN_PREV:
+        prev, acc = warpgroup_mma_wait(num_outstanding=STEPS, deps=(prev, acc))
+        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
+    else:  # nothing older in flight: the wait only hands acc on (as a tensor), its groups still running
+        acc = warpgroup_mma_wait(num_outstanding=STEPS, deps=(acc,))
+    return acc, prev, t + 1
+
+
+@gluon.jit
+def continue_chunk(a_smem, b_smem, ready, empty, acc, t, slots, STAGES: gl.constexpr, STEPS: gl.constexpr):
+    """The chunk's slots after its first (open_chunk), each freeing the one before it once that one's
+    groups are done. Returns acc and the next slot."""
+    for _ in range(1, slots):
+        acc = issue_slot(a_smem, b_smem, ready, acc, t, False, STAGES, STEPS)
+        acc = warpgroup_mma_wait(num_outstanding=STEPS, deps=(acc,))
         mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
         t += 1
+    return acc, t
+
+
+@gluon.jit
+def _alternating_chunk(x_smem, w_smem, ready, empty, quad_smem, acc, prev, h1, h2, t, steps, j: gl.constexpr,
+                       layout: gl.constexpr, CHUNKS: gl.constexpr, STAGES: gl.constexpr):
+    """Chunk j of a tile into acc, one K step a slot; chunk j - 1 (in prev) joins the tree while
+    acc's first wgmma runs."""
+    acc, prev, t = open_chunk(x_smem, w_smem, ready, empty, acc, prev, t, j > 0, STAGES, 1)
+    if j > 0:
+        h1, h2, prev = _join(prev, j - 1, h1, h2, quad_smem, layout, CHUNKS)
+    acc, t = continue_chunk(x_smem, w_smem, ready, empty, acc, t, steps, STAGES, 1)
     return acc, prev, h1, h2, t
 
 

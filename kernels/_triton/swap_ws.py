@@ -2,10 +2,11 @@
 Gluon: `linear`'s swapped buckets that set gluon (matmul_configs.py), and the row-parallel tree's
 decode bucket (splitk.py, kernels/rowlinear.py), which is the same schedule over K chunks.
 
-The same sums as the tl kernels: C^T = W @ X^T, 64 (or 128: two wgmmas) weight rows a program as the
-wgmma's M side and the rows of x (16-128, zero-filled past M by TMA) as its N side. `linear` (one chunk: matmul._gemm_swap_kernel's
-sums): each element accumulated in fp32 over the BLOCK_K steps in ascending k, one wgmma group a step,
-the first step from zero. The tree (splitk._row_tree_kernel's sums at the same split): each chunk's
+The same sums as the tl kernels: C^T = W @ X^T, 64 weight rows a program (GemmConfig.block_n; 128: two
+wgmmas a step on the same rows of x) as the wgmma's M side and the rows of x (16-128, zero-filled past
+M by TMA) as its N side. `linear` (one chunk: matmul._gemm_swap_kernel's sums): each element
+accumulated in fp32 over the BLOCK_K steps in ascending k, one wgmma group a step, the first step
+from zero. The tree (splitk._row_tree_kernel's sums at the same split): each chunk's
 product so, the chunk products of a program's subtree joined in the canonical tree (_order.tree_join),
 and with SPLIT > 1 programs a tile, the subtree roots summed in the tree's top levels by the tile's last
 program to take a ticket (_order.tree_root, _tickets.py). Which warps issue the loads, how many steps
@@ -30,17 +31,12 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 
 from lockstep.kernels._triton._order import tree_join, tree_root
 from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, tile_rows
-from lockstep.kernels._triton.splitk_ws import (PRODUCER_REGISTERS, SHARED_BYTES, gluon_descriptor, invalidate_ring,
-                                                ring_barriers)
-
-# weight rows a program (GemmConfig.block_n): the consumer warpgroup's wgmma M side, 64, or 128 as two
-# wgmmas a step on the same rows of x (which are then loaded once for both: a quarter less traffic)
-W_ROWS = (64, 128)
-
+from lockstep.kernels._triton.splitk_ws import (PRODUCER_REGISTERS, SHARED_BYTES, continue_chunk, gluon_descriptor,
+                                                invalidate_ring, open_chunk, ring_barriers)
 
 @gluon.jit
 def _producer(x_desc, w_desc, x_smem, w_smem, ready, empty, pid_w, pid_x, first, slots, K_PAD, PER: gl.constexpr,
@@ -64,38 +60,14 @@ def _producer(x_desc, w_desc, x_smem, w_smem, ready, empty, pid_w, pid_x, first,
 
 
 @gluon.jit
-def _slot(x_smem, w_smem, ready, acc, t, first_from_zero: gl.constexpr, STAGES: gl.constexpr,
-          STEPS: gl.constexpr):
-    """Slot t's STEPS wgmma groups into acc, issued once its loads landed, left in flight (ascending k;
-    first_from_zero: the chunk's first slot, whose first step starts from zero)."""
-    s = t % STAGES
-    mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-    for i in gl.static_range(STEPS):
-        acc = warpgroup_mma(w_smem.index(s * STEPS + i), x_smem.index(s * STEPS + i).permute((1, 0)), acc,
-                            use_acc=i > 0 or not first_from_zero, is_async=True)
-    return acc
-
-
-@gluon.jit
 def _chunk(x_smem, w_smem, ready, empty, acc, prev, h1, h2, h4, t, slots, j: gl.constexpr, PER: gl.constexpr,
            STAGES: gl.constexpr, STEPS: gl.constexpr):
-    """Chunk j of the program's subtree into acc. For j > 0, chunk j - 1 is in prev with its last slot's
-    groups in flight: they are waited for once acc's first slot is issued (wgmma groups complete in
-    issue order), then its slot is freed and it joins the tree while acc's groups run. Every later slot
-    frees the one before it once that one's groups are done."""
-    acc = _slot(x_smem, w_smem, ready, acc, t, True, STAGES, STEPS)
+    """Chunk j of the program's subtree into acc (the weight rows as the wgmma's M side); chunk j - 1
+    (in prev) joins the tree while acc's first slot runs (splitk_ws.open_chunk)."""
+    acc, prev, t = open_chunk(w_smem, x_smem, ready, empty, acc, prev, t, j > 0, STAGES, STEPS)
     if j > 0:
-        prev, acc = warpgroup_mma_wait(num_outstanding=STEPS, deps=(prev, acc))
-        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
         h1, h2, h4, prev = tree_join(prev, j - 1, h1, h2, h4, PER)
-    else:  # nothing older in flight: the wait only hands acc on, its groups still running
-        acc = warpgroup_mma_wait(num_outstanding=STEPS, deps=(acc,))
-    t += 1
-    for _ in range(1, slots):
-        acc = _slot(x_smem, w_smem, ready, acc, t, False, STAGES, STEPS)
-        acc = warpgroup_mma_wait(num_outstanding=STEPS, deps=(acc,))
-        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
-        t += 1
+    acc, t = continue_chunk(w_smem, x_smem, ready, empty, acc, t, slots, STAGES, STEPS)
     return acc, prev, h1, h2, h4, t
 
 
@@ -183,8 +155,8 @@ def gemm_swap_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: 
     With chunks > 1 (the row-parallel tree, splitk.row_tree): K is `chunks` chunks of `chunk` columns
     starting every `padded` columns, summed in the canonical tree by `split` programs a tile (split > 1:
     ws [split, M, N] fp32 and zeroed tickets, one a tile)."""
-    if not (cfg.gluon and cfg.swap_ab) or cfg.block_n not in W_ROWS:
-        raise ValueError(f"{cfg}: the swapped Gluon kernel takes gluon=True, swap_ab=True and block_n 64 or 128")
+    if not (cfg.gluon and cfg.swap_ab):  # (GemmConfig holds such a tile to 64 or 128 weight rows)
+        raise ValueError(f"{cfg}: the swapped Gluon kernel takes gluon=True and swap_ab=True")
     chunk = chunk or x.shape[1]
     if not swap_ws_fits(chunk, cfg, x.dtype):
         raise ValueError(f"{cfg}: K chunks of {chunk} columns are not whole slots of {cfg.steps_per_stage} K steps; "
