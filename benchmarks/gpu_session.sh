@@ -20,6 +20,8 @@
 #   train_memory benchmarks/bench_train_memory.py (peak training memory vs max_tokens_per_gpu and batch)
 #   resume      benchmarks/resume_1gpu.py (4 steps straight vs 2 + resume, bf16 megatron, bitwise)
 #   rollout     benchmarks/bench_rollout.py (stock vLLM, batch-invariant, lockstep, native)
+#   ab_decode   benchmarks/ab_decode.py $AB_OLD (default OLD.py: another revision's attention module, carried
+#               untracked) against this tree's decode attention, $AB_CASES the shapes
 #   decode      benchmarks/bench_decode.py (where a strict decode step spends its time; split-K vs cuBLAS)
 #               (decode, kernels and sweeps need only torch and triton: no carried wheels)
 #   kernels     benchmarks/kernels.py (all kernel tables; the attention tables add vLLM's FA3 as a baseline
@@ -106,6 +108,8 @@ for stage in "$@"; do
              cp /tmp/resume/resume.md "$OUT/resume.md" 2>/dev/null; grep -v "Logging error\|I/O operation" "$OUT/resume.log" | tail -20 ;;
     rollout) need_site; timeout 590 python3 benchmarks/bench_rollout.py "$OUT/rollout.md" ${ROLLOUT_ARGS:-} > "$OUT/rollout.log" 2>&1
              tail -20 "$OUT/rollout.log" ;;
+    ab_decode) link_lockstep; timeout 300 python3 benchmarks/ab_decode.py "${AB_OLD:-OLD.py}" ${AB_CASES:-} > "$OUT/ab_decode.log" 2>&1
+             tail -16 "$OUT/ab_decode.log" ;;
     decode)  link_lockstep; timeout 300 python3 benchmarks/bench_decode.py "$OUT/decode.md" > "$OUT/decode.log" 2>&1; tail -40 "$OUT/decode.log" ;;
     sweep_rowtree) link_lockstep; tag=$(printf %s "${SWEEP_ARGS:-}" | tr -cs 'a-z0-9' '_')
              timeout ${SWEEP_TIMEOUT:-560} python3 benchmarks/sweep_rowtree.py "$OUT/sweep_rowtree$tag.md" ${SWEEP_ARGS:-} \

@@ -40,7 +40,7 @@ SPLIT_CONFIGS = [G(64, 128, 8, 4, 4), G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4)
                  G(64, 128, 1, 4, 6, swap_ab=True),
                  # 128 or 256 rows of x on the N side: M = 128 and 256 (still unswapped, 0.68-0.86x)
                  G(128, 64, 1, 4, 4, swap_ab=True), G(256, 64, 1, 4, 3, swap_ab=True)]
-SPLITS = [None, 2, 4, 8]  # None: split_for's choice; splits above the chunk count are skipped
+SPLITS = [None, 1, 2, 4, 8]  # None: the launcher's choice; splits above the chunk count are skipped
 
 
 # the swapped Gluon subtrees (swap_ws.py): a producer warp, one consumer warpgroup of 64 weight rows
@@ -78,10 +78,11 @@ WHOLE_TREE_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 
 
 
 def candidates(m: int, chunks: int, whole_only: bool = False, gluon_only: bool = False, swapped_only: bool = False,
-               tma_only: bool = False):
-    if swapped_only:
-        yield from ((cfg, split) for cfg in [SPLIT_CONFIGS[3], *SWAPPED_GLUON_CONFIGS]  # the tl kernel's best
-                    for split in SPLITS if not split or split <= chunks)
+               tma_only: bool = False, splits: list[int | None] | None = None, swapped: list[int] | None = None):
+    if swapped_only:  # (swapped: indices into this list; splits: a subset of SPLITS)
+        configs = [SPLIT_CONFIGS[3], *SWAPPED_GLUON_CONFIGS]  # the tl kernel's best, the Gluon ones
+        yield from ((cfg, split) for cfg in (configs if swapped is None else [configs[i] for i in swapped])
+                    for split in (SPLITS if splits is None else splits) if not split or split <= chunks)
         return
     if gluon_only:
         yield from ((cfg, 1) for cfg in GLUON_CONFIGS if cfg.tma_store or not tma_only)
@@ -105,7 +106,12 @@ def main() -> None:
     p.add_argument("--swapped-only", action="store_true",
                    help="only the swapped split candidates (the M <= 64 bucket's kind: the tl kernel's best "
                         "64-row tile and the Gluon ones), at every M")
+    p.add_argument("--splits", help="with --swapped-only: only these splits, comma-separated (auto: the launcher's)")
+    p.add_argument("--swapped", help="with --swapped-only: only these candidates, comma-separated indices (0: the tl "
+                                     "tile, 1..: SWAPPED_GLUON_CONFIGS)")
     args = p.parse_args()
+    splits = None if args.splits is None else [None if v == "auto" else int(v) for v in args.splits.split(",")]
+    swapped = None if args.swapped is None else [int(v) for v in args.swapped.split(",")]
     K.set_backend("triton")
     lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shapes} shapes, "
              f"{args.chunks} K chunks\n",
@@ -125,7 +131,7 @@ def main() -> None:
             default = graph_ms_per_call(lambda: row_tree(x, w, chunk, x.dtype)) * 1e3
             best = (default, "default")
             for cfg, split in candidates(m, args.chunks, args.whole_only, args.gluon_only, args.swapped_only,
-                                         args.tma_only):
+                                         args.tma_only, splits, swapped):
                 kind = ("gluon-swap" if cfg.swap_ab else f"gluon{cfg.wgmma_in_flight}") if cfg.gluon else (
                     "swap" if cfg.swap_ab else "-")
                 key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm, kind, cfg.group_m,

@@ -471,11 +471,14 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     p, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_programs = tl.num_programs(0)
     begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
-    if n_queries != 1:
-        return
     rows = tl.arange(0, ROWS)
     tok, head = _rows(rows, begin, 1, kv_head, GROUP)
+    # the positions before the branch below: FROM_LENS, their load (the sequence's length) flies beside
+    # the sequence's bounds instead of after them, one memory round trip fewer before the first K/V
+    # load (a sequence of several queries loads an in-bounds value it never uses)
     pos = _query_pos(q_pos, tok, rows, seq, 1, GROUP, FROM_LENS)
+    if n_queries != 1:
+        return
     hi = tl.max(pos, 0)
     n_need = hi // KV_CHUNK + 1  # the chunks that hold keys
     if p >= n_need:

@@ -332,8 +332,8 @@ def _ws_tree_sum(x, LOG2_N: gl.constexpr):
 def _ws_producer(h_desc, w_desc, h0_smem, h1_smem, wa_smem, wb_smem, ready, empty, my_items, pid, num_programs,
                  n_row_blocks, n_chunks, width, V_local, H, GROUP_T: gl.constexpr, STAGES: gl.constexpr):
     """Every (item, pair of tiles, k step) of the program in order: the TMA loads of the row block's
-    two 64-row halves and of two tiles' weight rows into a STAGES-deep ring, waiting only for a
-    free slot."""
+    two 64-row halves and of two tiles' weight rows (a chunk's odd last tile: its own only) into a
+    STAGES-deep ring, waiting only for a free slot."""
     HALF_ROWS: gl.constexpr = h_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = h_desc.block_type.shape[1]
     BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
@@ -343,18 +343,19 @@ def _ws_producer(h_desc, w_desc, h0_smem, h1_smem, wa_smem, wb_smem, ready, empt
         lo = chunk * width
         hi = gl.minimum(lo + width, V_local)
         for c0 in range(lo, hi, 2 * BLOCK_V):
+            pair = c0 + BLOCK_V < hi  # else the chunk's odd last tile, which the consumers multiply alone
             for k in range(0, H, BLOCK_K):
                 s = t % STAGES
                 # a slot is free once both consumers released it (its first use passes at once)
                 mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
-                mbarrier.expect(bar, 2 * h_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
+                mbarrier.expect(bar, 2 * h_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes, pred=pair)
+                mbarrier.expect(bar, 2 * h_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=not pair)
                 tma.async_copy_global_to_shared(h_desc, [row_block * 2 * HALF_ROWS, k], bar, h0_smem.index(s))
                 tma.async_copy_global_to_shared(h_desc, [row_block * 2 * HALF_ROWS + HALF_ROWS, k], bar,
                                                 h1_smem.index(s))
                 tma.async_copy_global_to_shared(w_desc, [c0, k], bar, wa_smem.index(s))
-                # (past a chunk's odd last tile too: the consumers leave those products unused)
-                tma.async_copy_global_to_shared(w_desc, [c0 + BLOCK_V, k], bar, wb_smem.index(s))
+                tma.async_copy_global_to_shared(w_desc, [c0 + BLOCK_V, k], bar, wb_smem.index(s), pred=pair)
                 t += 1
 
 

@@ -202,8 +202,8 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
     if cfg.gluon and cfg.swap_ab and (INTERPRETING or not swap_ws_fits(chunk, cfg, x.dtype)):
         cfg = tl_tile(cfg)  # the decode bucket's tile in the tl kernel: the same sums at every split
     if cfg.gluon and cfg.swap_ab:  # the decode bucket: swap_ws.py's subtrees, split to fill one wave
-        tiles = triton.cdiv(m, tile_rows(m, cfg)) * triton.cdiv(n, cfg.block_n)
-        split = _split(split or one_wave_split(tiles, chunks, x.device), chunks)
+        tiles = triton.cdiv(m, tile_rows(m, cfg)) * triton.cdiv(n, cfg.block_n)  # (or whole: cfg.whole_tree)
+        split = _split(split or (1 if cfg.whole_tree else one_wave_split(tiles, chunks, x.device)), chunks)
         ws, tickets = _workspace(split, m, n, tiles, x.device)
         gemm_swap_ws(x_op, w_op, out, cfg, chunks=chunks, chunk=chunk, padded=padded, split=split, ws=ws,
                      tickets=tickets)
