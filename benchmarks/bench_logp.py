@@ -8,7 +8,11 @@ Qwen3's LM head in bf16 (H=4096, V=151936), T tokens:
   the same gradient tensors (grad_hidden, grad_weight: 1.2 GiB at this vocab), so memory is
   compared beyond those outputs;
 - tensor-parallel shards (V/2, V/4, V/8 local rows): the local forward against the bare GEMM on
-  the same rows.
+  the same rows;
+- top-p replay (support_ids: T = 128 rows, k ids each): the forward against the naive path over
+  the whole vocab (logits, the support kept by a scatter, log_softmax) and against the torch
+  reference's [T, k, H] products (lockstep's path before the Triton support kernel), time and
+  extra memory.
 Both sides run in the same process on the same inputs (benchmarks/_harness.py). Forward times are
 kernel time on both sides: CUDA-graph replays (`fwd_ms`), with linear_logp's target-range check
 skipped, as a rollout engine skips it (it reads the targets on the host, which no graph can hold),
@@ -120,6 +124,42 @@ def shard_table() -> str:
     return markdown_table("linear_logp forward on a tensor-parallel vocab shard vs its bare GEMM", columns, rows)
 
 
+SUPPORT_TOKENS = 128
+SUPPORT_WIDTHS = [64, 1024]
+
+
+def _naive_support_logp(hidden, weight, targets, ids):
+    z = (hidden @ weight.t()).float()
+    kept = torch.full_like(z, float("-inf")).scatter(1, ids, z.gather(1, ids))
+    return kept.log_softmax(-1).gather(1, targets[:, None])[:, 0]
+
+
+def _support_logp(hidden, weight, targets, ids, backend):
+    with K.using_backend(backend):
+        return K.linear_logp(hidden, weight, targets, support_ids=ids).logp
+
+
+def support_table() -> str:
+    rows = []
+    for k in SUPPORT_WIDTHS:
+        hidden, weight, targets = _inputs(SUPPORT_TOKENS)
+        ids = torch.randint(0, VOCAB, (SUPPORT_TOKENS, k), device="cuda")
+        ids[:, 0] = targets
+        naive_fn = lambda: _naive_support_logp(hidden, weight, targets, ids)  # noqa: E731
+        torch_fn = lambda: _support_logp(hidden, weight, targets, ids, "torch")  # noqa: E731
+        ours_fn = lambda: _support_logp(hidden, weight, targets, ids, "triton")  # noqa: E731
+        if not torch.equal(torch_fn(), ours_fn()):
+            raise AssertionError(f"support logp at k = {k}: the Triton path's bits differ from the torch reference's")
+        naive_ms, ours_ms = fwd_pair_ms(naive_fn, ours_fn)
+        torch_ms = fwd_ms(torch_fn)
+        mem = [measure(fn).extra_gib for fn in (naive_fn, torch_fn, ours_fn)]
+        rows.append([k, naive_ms, torch_ms, ours_ms, ours_ms / naive_ms, ours_ms / torch_ms, *mem])
+    columns = ["k", "naive ms", "torch reference ms", "lockstep ms", "vs naive", "vs torch reference",
+               "naive GiB", "torch reference GiB", "lockstep GiB"]
+    return markdown_table(f"linear_logp top-p replay forward (T = {SUPPORT_TOKENS}, bf16, H={HIDDEN}, V={VOCAB}), "
+                          "bits equal to the torch reference's", columns, rows)
+
+
 def run(out_md_lines: list[str]) -> None:
     """Append the linear_logp tables (markdown) to out_md_lines. CUDA only."""
     if not torch.cuda.is_available():
@@ -127,6 +167,7 @@ def run(out_md_lines: list[str]) -> None:
     with K.using_backend("triton"):
         out_md_lines.append(logp_table())
         out_md_lines.append(shard_table())
+        out_md_lines.append(support_table())
 
 
 if __name__ == "__main__":

@@ -271,6 +271,18 @@ def canonical_support(support_ids: torch.Tensor) -> torch.Tensor:
     return torch.where(ordered == big, -1, ordered)
 
 
+def torch_support_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """z [T, k] in hidden's dtype: row t of hidden against weight rows ids[t] (local rows, in range),
+    each logit its own dot product: the products rounded to hidden's dtype, then tree-summed in it
+    (_invariant.tree_sum), so neither k nor the other rows change a bit. Materialises [T, k, H]."""
+    return tree_sum(hidden.unsqueeze(1) * weight[ids], -1)
+
+
+# The Triton backend computes the same bits a row and slot at a time, never the [T, k, H] products
+# (and recomputes this reference's graph for the gradient).
+support_logits = KernelOp("linear_logp_support_logits", torch_support_logits, "logp:support_logits")
+
+
 def _support_logp(hidden, weight, targets, bias, temperature, with_entropy, support_ids, vocab_start, group):
     support_ids = canonical_support(support_ids)
     valid = support_ids >= 0
@@ -281,8 +293,7 @@ def _support_logp(hidden, weight, targets, bias, temperature, with_entropy, supp
     local = support_ids - vocab_start
     owned = valid & (local >= 0) & (local < weight.shape[0])
     ids = torch.where(owned, local, 0)
-    # Each support logit is its own dot product (tree-summed), so the width k never matters.
-    z = tree_sum(hidden.unsqueeze(1) * weight[ids], -1)
+    z = support_logits(hidden, weight, ids)
     if bias is not None:
         z = z + bias[ids]
     z = torch.where(owned, z, 0.0)

@@ -6,6 +6,8 @@ a row alone equals the row inside batches of random neighbours at random positio
 the row block size changes no bit; gradients agree with float64 autograd; the vocab-sharded form
 equals the unsharded one bit for bit; the chunk states agree with the torch reference; the merge
 kernel agrees with the reference merge and follows its tree order; the custom ops pass opcheck.
+The support logits of top-p replay are the torch reference's bits (and gradients) without its
+[T, k, H] products, also on the GPU.
 GPU tier (@pytest.mark.gpu, Qwen3's LM head in bf16): row 0 is the same bits at T = 1, 64 and 4096;
 logp, entropy and gradients agree with an fp32 computation; the merge kernel equals the torch merge
 bit for bit; the warp-specialised Gluon forward gives the tl kernel's bits; CUDA graphs capture
@@ -297,6 +299,54 @@ def test_merge_kernel_merges_in_the_reference_tree_order():
     assert (got - ref).abs().max() <= 1e-11
 
 
+def _support_case(t, h, v, k, dtype, device="cpu", seed=5):
+    """Inputs of the support logits with repeated ids (one token in many rows' supports)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(t, h, generator=g, device=device).to(dtype)
+    weight = (torch.randn(v, h, generator=g, device=device) * 0.5).to(dtype)
+    ids = torch.randint(0, v, (t, k), generator=g, device=device)
+    return hidden, weight, ids
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_support_logits_are_the_references_bits(dtype):
+    """Top-p replay's support logits without the [T, k, H] products: the reference's bits (its
+    bf16-rounded products and tree sums), at hidden widths that are and are not powers of two and k
+    not a multiple of a program's slots; the gradients are the reference's too. Negative control: a
+    tree pairing neighbouring columns instead changes bits."""
+    module = _triton_logp_module()
+    for t, h, v, k in ((5, 96, 40, 7), (3, 64, 9, 33), (2, 1, 4, 3)):
+        hidden, weight, ids = _support_case(t, h, v, k, dtype)
+        ref = logp_module.torch_support_logits(hidden, weight, ids)
+        assert torch.equal(module.support_logits(hidden, weight, ids), ref), (t, h, v, k)
+    hidden, weight, ids = _support_case(5, 96, 40, 7, dtype)
+    hr, wr = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ht, wt = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    g = torch.randn(5, 7).to(dtype)
+    (logp_module.torch_support_logits(hr, wr, ids) * g).sum().backward()
+    (module.support_logits(ht, wt, ids) * g).sum().backward()
+    assert torch.equal(ht.grad, hr.grad) and torch.equal(wt.grad, wr.grad)
+    # the control: neighbouring columns paired first, the same products
+    prods = hidden.unsqueeze(1) * weight[ids]
+    pairs = prods.view(5, 7, 48, 2).sum(-1)
+    assert not torch.equal(logp_module.tree_sum(pairs, -1), logp_module.torch_support_logits(hidden, weight, ids))
+
+
+def test_support_replay_through_triton_equals_torch():
+    """linear_logp with support_ids gives the torch backend's bits on the Triton backend (sharded
+    supports included: ids outside the shard read 0), and rejects mixed dtypes by name."""
+    hidden, weight, _ = _support_case(6, 48, 30, 5, torch.bfloat16, seed=9)
+    ids = torch.randint(-1, 30, (6, 5), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, 30, (6,), generator=torch.Generator().manual_seed(2))
+    ids[:, 2] = targets
+    got = K.linear_logp(hidden, weight, targets, support_ids=ids, with_entropy=True, temperature=0.8)
+    with K.using_backend("torch"):
+        ref = K.linear_logp(hidden, weight, targets, support_ids=ids, with_entropy=True, temperature=0.8)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    with pytest.raises(ValueError, match="one dtype"):
+        _triton_logp_module().support_logits(hidden, weight.float(), ids.clamp(min=0))
+
+
 def test_empty_batch():
     hidden, weight, _ = _inputs(0, 16, 64, torch.float32)
     out = K.linear_logp(hidden, weight, torch.zeros(0, dtype=torch.long), with_entropy=True)
@@ -314,6 +364,8 @@ def test_custom_op_passes_opcheck():
     tz, m, s, w = _merge_inputs(4, 8)
     for with_w in (w.requires_grad_(), None):
         torch.library.opcheck(module._merge_op, (tz.requires_grad_(), m, s.requires_grad_(), with_w))
+    hidden, weight, ids = _support_case(3, 16, 8, 5, torch.float32)
+    torch.library.opcheck(module._support_logits_op, (hidden.requires_grad_(), weight.requires_grad_(), ids))
 
 
 # ---------------------------------------------------------------- vocab-sharded (gloo)
@@ -397,6 +449,18 @@ def test_gpu_row0_bitwise_across_batch_sizes_qwen3():
 def _fp32_naive(hidden, weight, targets):
     lsm = (hidden.float() @ weight.float().t()).log_softmax(-1)
     return lsm.gather(1, targets[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_support_logits_are_the_references_bits(dtype):
+    """On the GPU (cvt.rn rounding, no fma under SUPPORT_OPTIONS) the support logits of Qwen3's
+    hidden width are the torch reference's bits, at a decode batch and a training batch of rows."""
+    module = _triton_logp_module()
+    for t, k in ((128, 300), (1000, 17)):
+        hidden, weight, ids = _support_case(t, 4096, 5000, k, dtype, device="cuda", seed=t)
+        assert torch.equal(module.support_logits(hidden, weight, ids),
+                           logp_module.torch_support_logits(hidden, weight, ids)), (t, k)
 
 
 @pytest.mark.gpu
@@ -562,6 +626,17 @@ for on in (False, True):
     if not on:
         ce.update(b_ptr=None, temp_ptr=None)
     out[f"ws_{on}"] = compile_sm90(L._chunk_states_ws_kernel, lambda n: ws_descs.get(n, "i32"), ce, 4, 1)
+# the support logits at fp32, with the launcher's options and with fusion allowed (the control)
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+sup = dict(h_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64", z_ptr="*fp32", k="i32", H="i32", stride_h="i32",
+           stride_w="i32")
+for fused in (False, True):
+    opts = dict(L.SUPPORT_OPTIONS, num_stages=1, **(dict(enable_fp_fusion=True) if fused else {}))
+    ptx = triton.compile(ASTSource(L._support_logits_kernel, sup, dict(SLOTS=4, LOG2_H=12)),
+                         target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+    out[f"support_fma_{fused}"] = len(re.findall(r"\bfma\.", ptx))
 print(json.dumps(out))
 """
 
@@ -587,3 +662,6 @@ def test_chunk_state_kernel_variants_compile_for_sm90():
         ws = r[f"ws_{on}"]
         assert ws["mma"] == [["3", "[16, 128, 16]"]] and ws["warp_specialized"], r
         assert ws["spill_bytes"] <= (2048 if on else 0), r
+    # the support logits keep each product's rounding apart from its first sum: no fma under the
+    # launcher's options (SUPPORT_OPTIONS), where Triton's default fusion makes them
+    assert r["support_fma_False"] == 0 and r["support_fma_True"] > 0, r

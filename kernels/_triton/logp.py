@@ -50,7 +50,7 @@ from lockstep.kernels._triton._device import INTERPRETING, resident_programs
 from lockstep.kernels._triton._order import grouped_tile
 from lockstep.kernels._triton._tma import aligned_empty
 from lockstep.kernels._triton.splitk_ws import HALF, SHARED_BYTES, gluon_descriptor, invalidate_ring, ring_barriers
-from lockstep.kernels.logp import ChunkStates, LinearLogpOutput, torch_merge_states
+from lockstep.kernels.logp import ChunkStates, LinearLogpOutput, torch_merge_states, torch_support_logits
 
 # ------------------------------------------------------------------------------------------------
 # Tunables: every number to touch when tuning lives here.
@@ -116,6 +116,12 @@ BACKWARD_SLICE_CHUNKS = 8
 BACKWARD_SLICE_BYTES = 512 << 20
 # chunk states (rows x chunks, padded to a power of two) one program of the merge holds per array
 MERGE_STATES_PER_PROGRAM = 4096
+# Top-p replay's support logits (lockstep.kernels.logp.torch_support_logits): weight-row elements
+# (slots x hidden columns padded to a power of two) one program holds; 4 slots a program at H = 4,096
+SUPPORT_ELEMENTS = 16384
+# enable_fp_fusion=False: a product and the first sum it meets stay two roundings (an fma would be
+# one: ptxas gets 64 of them at fp32 otherwise, tests/test_triton_logp.py)
+SUPPORT_OPTIONS = dict(num_warps=4, enable_fp_fusion=False)
 
 # ------------------------------------------------------------------------------------------------
 # Kernels
@@ -192,13 +198,27 @@ def _halves(x):
 
 
 @triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """fp32 x rounded to dtype, to nearest even, as torch rounds. bf16 through its bits: Triton's
+    interpreter truncates a bf16 cast (the GPU's cvt.rn rounds as this does; NaN payloads aside)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = x.to(dtype)
+    return out
+
+
+@triton.jit
 def _tree_sum(x, LOG2_N: tl.constexpr):
     """Row sums of x [R, 2**LOG2_N] as a balanced tree over the column index (column j meets
     j + N/2 first, like _invariant.tree_sum): the order is fixed by the columns' indices, never by
-    the register layout the compiler picks for a given BLOCK_T."""
+    the register layout the compiler picks for a given BLOCK_T. In x's dtype: a 16-bit x's sums are
+    each rounded to it, as torch's 16-bit adds are (fp32 x: the casts are no-ops)."""
     for _ in tl.static_range(LOG2_N):
         first, second = _halves(x)
-        x = first + second
+        x = _rounded(first.to(tl.float32) + second.to(tl.float32), x.dtype)
     return tl.reshape(x, [x.shape[0]])
 
 
@@ -760,9 +780,78 @@ def _backward(grad_s, grad_w, grad_t, hidden, weight, targets, bias, temperature
             grad_b.to(bias.dtype) if need_bias else empty)
 
 
+@triton.jit
+def _support_logits_kernel(h_ptr, w_ptr, ids_ptr, z_ptr, k, H, stride_h, stride_w, SLOTS: tl.constexpr,
+                           LOG2_H: tl.constexpr):
+    """z[t, j] for SLOTS slots j of one row t: torch_support_logits' products, each rounded to the
+    operands' dtype (exact in fp32 first: 16-bit operands' products fit it), then tree-summed over
+    the hidden columns zero-padded to 2**LOG2_H (_tree_sum, as _invariant.tree_sum pads and pairs)."""
+    pid = tl.program_id(0)
+    per_row = tl.cdiv(k, SLOTS)
+    t = (pid // per_row).to(tl.int64)
+    slots = (pid % per_row) * SLOTS + tl.arange(0, SLOTS)
+    used = slots < k
+    ids = tl.load(ids_ptr + t * k + slots, mask=used, other=0)
+    cols = tl.arange(0, 1 << LOG2_H)
+    inside = cols < H
+    h = tl.load(h_ptr + t * stride_h + cols, mask=inside, other=0.0)
+    w = tl.load(w_ptr + ids.to(tl.int64)[:, None] * stride_w + cols[None, :], mask=used[:, None] & inside[None, :],
+                other=0.0)
+    z = _tree_sum(_rounded(h.to(tl.float32)[None, :] * w.to(tl.float32), w.dtype), LOG2_H)
+    tl.store(z_ptr + t * k + slots, z, mask=used)
+
+
+def _support_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    if hidden.dtype != weight.dtype or ids.dim() != 2 or ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"linear_logp (triton): support logits need hidden and weight of one dtype (got "
+                         f"{hidden.dtype}, {weight.dtype}) and ids [T, k] (got {tuple(ids.shape)})")
+    T, k = ids.shape
+    H = hidden.shape[1]
+    z = hidden.new_empty(T, k)
+    if z.numel() == 0:
+        return z
+    log2_h = max(0, (H - 1).bit_length())
+    slots = max(1, min(triton.next_power_of_2(k), SUPPORT_ELEMENTS >> log2_h))
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    _support_logits_kernel[(T * triton.cdiv(k, slots),)](
+        hidden, weight, ids.contiguous(), z, k, H, hidden.stride(0), weight.stride(0), SLOTS=slots, LOG2_H=log2_h,
+        **SUPPORT_OPTIONS)
+    return z
+
+
 # ------------------------------------------------------------------------------------------------
 # Custom ops and autograd
 # ------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("lockstep::linear_logp_support_logits", mutates_args=())
+def _support_logits_op(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """torch_support_logits' [T, k] logits, without its [T, k, H] products."""
+    return _support_logits(hidden, weight, ids)
+
+
+@_support_logits_op.register_fake
+def _(hidden, weight, ids):
+    return hidden.new_empty(ids.shape[0], ids.shape[1])
+
+
+def _support_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _support_backward(ctx, grad_z):
+    """The reference's gradient, its graph rebuilt from the saved inputs (the [T, k, H] products
+    exist during the backward only)."""
+    hidden, weight, ids = ctx.saved_tensors
+    need = ctx.needs_input_grad[:2]
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_(n) for x, n in zip((hidden, weight), need)]
+        z = torch_support_logits(leaves[0], leaves[1], ids)
+        grads = iter(torch.autograd.grad(z, [x for x, n in zip(leaves, need) if n], grad_z))
+    return (next(grads) if need[0] else None, next(grads) if need[1] else None, None)
+
+
+_support_logits_op.register_autograd(_support_backward, setup_context=_support_setup_context)
 
 
 @torch.library.custom_op("lockstep::linear_logp_chunk_states", mutates_args=())
@@ -882,6 +971,11 @@ def chunk_states(hidden, weight, targets, *, vocab_start, width, real_vocab_size
     m, s, w, target_z = _chunk_states_op(hidden, weight, targets, bias, _row_temperatures(temperature, hidden),
                                          vocab_start, width, real_vocab_size, with_entropy, logits)
     return ChunkStates(m, s, w if with_entropy else None, target_z)
+
+
+def support_logits(hidden, weight, ids):
+    """Triton version of lockstep.kernels.logp.torch_support_logits (the same bits)."""
+    return _support_logits_op(hidden, weight, ids)
 
 
 def head_logits(hidden, weight, *, width):
