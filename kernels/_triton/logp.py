@@ -116,8 +116,16 @@ BACKWARD_SLICE_CHUNKS = 8
 BACKWARD_SLICE_BYTES = 512 << 20
 # chunk states (rows x chunks, padded to a power of two) one program of the merge holds per array
 MERGE_STATES_PER_PROGRAM = 4096
-# Top-p replay's support logits (lockstep.kernels.logp.torch_support_logits): weight-row elements
-# (slots x hidden columns padded to a power of two) one program holds; 4 slots a program at H = 4,096
+# Top-p replay's support logits (lockstep.kernels.logp.torch_support_logits). Where the reference's
+# [T, k, H] products take at most SUPPORT_TORCH_BYTES they are what runs (the same bits, and faster:
+# benchmarks/bench_logp.py's support table, H200, T = 128, H = 4,096: the kernel 0.80 / 11.7 ms
+# against the reference's 0.33 / 3.5 ms at k = 64 / 1,024, where the reference takes 0.125 / 2 GiB
+# for a moment); above it _support_logits_kernel, whose memory is the [T, k] logits. 1 GiB: a
+# decode step's supports keep the faster expression; a training batch's (8,192 rows x 256 ids at
+# H = 4,096: 16 GiB of products) take the kernel. Lower it where that moment's memory is not there.
+SUPPORT_TORCH_BYTES = 1 << 30
+# weight-row elements (slots x hidden columns padded to a power of two) one program of the kernel
+# holds; 4 slots a program at H = 4,096
 SUPPORT_ELEMENTS = 16384
 # enable_fp_fusion=False: a product and the first sum it meets stay two roundings (an fma would be
 # one: ptxas gets 64 of them at fp32 otherwise, tests/test_triton_logp.py)
@@ -974,7 +982,10 @@ def chunk_states(hidden, weight, targets, *, vocab_start, width, real_vocab_size
 
 
 def support_logits(hidden, weight, ids):
-    """Triton version of lockstep.kernels.logp.torch_support_logits (the same bits)."""
+    """Triton version of lockstep.kernels.logp.torch_support_logits (the same bits): the reference's
+    own expression up to SUPPORT_TORCH_BYTES of products, the kernel above."""
+    if ids.numel() * hidden.shape[-1] * hidden.element_size() <= SUPPORT_TORCH_BYTES:
+        return torch_support_logits(hidden, weight, ids)
     return _support_logits_op(hidden, weight, ids)
 
 
