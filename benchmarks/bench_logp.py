@@ -9,10 +9,10 @@ Qwen3's LM head in bf16 (H=4096, V=151936), T tokens:
   compared beyond those outputs;
 - tensor-parallel shards (V/2, V/4, V/8 local rows): the local forward against the bare GEMM on
   the same rows;
-- top-p replay (support_ids: T = 128 rows, k ids each): the forward against the naive path over
-  the whole vocab (logits, the support kept by a scatter, log_softmax) and against the torch
-  reference's [T, k, H] products (lockstep's path before the Triton support kernel), time and
-  extra memory.
+- top-p replay (support_ids: T = 128 rows, k ids each): the Triton support kernel's forward
+  (forced: below SUPPORT_TORCH_BYTES of products the backend runs the reference's expression)
+  against the naive path over the whole vocab (logits, the support kept by a scatter, log_softmax)
+  and against the torch reference's [T, k, H] products, time and extra memory.
 Both sides run in the same process on the same inputs (benchmarks/_harness.py). Forward times are
 kernel time on both sides: CUDA-graph replays (`fwd_ms`), with linear_logp's target-range check
 skipped, as a rollout engine skips it (it reads the targets on the host, which no graph can hold),
@@ -140,7 +140,10 @@ def _support_logp(hidden, weight, targets, ids, backend):
 
 
 def support_table() -> str:
+    from lockstep.kernels._triton import logp as triton_logp
+
     rows = []
+    torch_bytes, triton_logp.SUPPORT_TORCH_BYTES = triton_logp.SUPPORT_TORCH_BYTES, 0  # the kernel at every k
     for k in SUPPORT_WIDTHS:
         hidden, weight, targets = _inputs(SUPPORT_TOKENS)
         ids = torch.randint(0, VOCAB, (SUPPORT_TOKENS, k), device="cuda")
@@ -154,8 +157,9 @@ def support_table() -> str:
         torch_ms = fwd_ms(torch_fn)
         mem = [measure(fn).extra_gib for fn in (naive_fn, torch_fn, ours_fn)]
         rows.append([k, naive_ms, torch_ms, ours_ms, ours_ms / naive_ms, ours_ms / torch_ms, *mem])
-    columns = ["k", "naive ms", "torch reference ms", "lockstep ms", "vs naive", "vs torch reference",
-               "naive GiB", "torch reference GiB", "lockstep GiB"]
+    triton_logp.SUPPORT_TORCH_BYTES = torch_bytes
+    columns = ["k", "naive ms", "torch reference ms", "kernel ms", "vs naive", "vs torch reference",
+               "naive GiB", "torch reference GiB", "kernel GiB"]
     return markdown_table(f"linear_logp top-p replay forward (T = {SUPPORT_TOKENS}, bf16, H={HIDDEN}, V={VOCAB}), "
                           "bits equal to the torch reference's", columns, rows)
 
