@@ -125,11 +125,14 @@ MERGE_STATES_PER_PROGRAM = 4096
 # H = 4,096: 16 GiB of products) take the kernel. Lower it where that moment's memory is not there.
 SUPPORT_TORCH_BYTES = 1 << 30
 # weight-row elements (slots x hidden columns padded to a power of two) one program of the kernel
-# holds; 4 slots a program at H = 4,096
-SUPPORT_ELEMENTS = 16384
+# holds, and its warps: one warp of 2 slots at H = 4,096. Compiled for sm_90a (bf16): 146 registers,
+# no spill, about 2,900 warp instructions a slot, against 17,500 at 4 warps x 2 slots (the tree's
+# late levels run replicated over a program's lanes and warps) and 2,472 bytes spilled at 4 x 4
+# (the first measured form: 11.7 ms at T = 128, k = 1,024, above)
+SUPPORT_ELEMENTS = 8192
 # enable_fp_fusion=False: a product and the first sum it meets stay two roundings (an fma would be
 # one: ptxas gets 64 of them at fp32 otherwise, tests/test_triton_logp.py)
-SUPPORT_OPTIONS = dict(num_warps=4, enable_fp_fusion=False)
+SUPPORT_OPTIONS = dict(num_warps=1, enable_fp_fusion=False)
 
 # ------------------------------------------------------------------------------------------------
 # Kernels
@@ -790,10 +793,11 @@ def _backward(grad_s, grad_w, grad_t, hidden, weight, targets, bias, temperature
 
 @triton.jit
 def _support_logits_kernel(h_ptr, w_ptr, ids_ptr, z_ptr, k, H, stride_h, stride_w, SLOTS: tl.constexpr,
-                           LOG2_H: tl.constexpr):
+                           LOG2_H: tl.constexpr, PADDED: tl.constexpr):
     """z[t, j] for SLOTS slots j of one row t: torch_support_logits' products, each rounded to the
     operands' dtype (exact in fp32 first: 16-bit operands' products fit it), then tree-summed over
-    the hidden columns zero-padded to 2**LOG2_H (_tree_sum, as _invariant.tree_sum pads and pairs)."""
+    the hidden columns zero-padded to 2**LOG2_H (_tree_sum, as _invariant.tree_sum pads and pairs).
+    PADDED: H < 2**LOG2_H, the columns masked (otherwise no column mask, so the loads vectorise)."""
     pid = tl.program_id(0)
     per_row = tl.cdiv(k, SLOTS)
     t = (pid // per_row).to(tl.int64)
@@ -801,7 +805,7 @@ def _support_logits_kernel(h_ptr, w_ptr, ids_ptr, z_ptr, k, H, stride_h, stride_
     used = slots < k
     ids = tl.load(ids_ptr + t * k + slots, mask=used, other=0)
     cols = tl.arange(0, 1 << LOG2_H)
-    inside = cols < H
+    inside = (cols < H) | (not PADDED)
     h = tl.load(h_ptr + t * stride_h + cols, mask=inside, other=0.0)
     w = tl.load(w_ptr + ids.to(tl.int64)[:, None] * stride_w + cols[None, :], mask=used[:, None] & inside[None, :],
                 other=0.0)
@@ -823,7 +827,7 @@ def _support_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
     hidden, weight = hidden.contiguous(), weight.contiguous()
     _support_logits_kernel[(T * triton.cdiv(k, slots),)](
         hidden, weight, ids.contiguous(), z, k, H, hidden.stride(0), weight.stride(0), SLOTS=slots, LOG2_H=log2_h,
-        **SUPPORT_OPTIONS)
+        PADDED=H != 1 << log2_h, **SUPPORT_OPTIONS)
     return z
 
 
