@@ -70,11 +70,6 @@ class GemmConfig:
     # consumers' tiles fit beside the ring (and a tree's quads) and the output is a TMA operand; a TP
     # rank's fp32 subtree roots, twice the bytes, may not, and leave from registers: the same values.
     tma_store: bool = False
-    # The row-parallel tree's swapped Gluon tile (gluon and swap_ab, splitk.row_tree): one program holds
-    # each tile's whole tree (split 1) instead of the tile's subtrees spread over as many programs as
-    # fill one wave (splitk.one_wave_split), whose roots a workspace and the tile's last program join.
-    # Only where the work is done: the tree is the same.
-    whole_tree: bool = False
 
     def __post_init__(self):
         if self.gluon and self.swap_ab:  # swap_ws.py: one consumer warpgroup of 64 weight rows, a producer warp
@@ -99,8 +94,6 @@ class GemmConfig:
                              "16-128 (two more accumulators a consumer) with its wgmmas in flight (wgmma_in_flight=1)")
         if self.tma_store and not (self.gluon and not self.swap_ab):
             raise ValueError(f"{self}: tma_store is the unswapped Gluon consumer's epilogue (gluon=True, swap_ab=False)")
-        if self.whole_tree and not (self.gluon and self.swap_ab):
-            raise ValueError(f"{self}: whole_tree is the swapped Gluon tree's choice of split (gluon=True, swap_ab=True)")
         if self.wgmma_in_flight not in (0, 1):
             raise ValueError(f"{self}: wgmma_in_flight is 0 or 1 (wgmma groups a Gluon consumer leaves in flight)")
 
@@ -234,17 +227,14 @@ CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 # 0.949 / 0.940 for one, each chunk drained. At 1,024 rows two accumulators (8 chunks: 256 bytes
 # spilled) read 0.828 / 0.781 against 0.769 / 0.805: not taken.
 #
-# Twentieth session (sweep_rowtree.py --swapped-only --ms 64, one call): at M = 64 one program a tile
-# (whole_tree, 64 programs) read 0.939 / 1.048x cuBLAS on o_proj / down, against 0.814 / 1.021 for the
-# two subtrees a tile of one_wave_split (128 programs) and `linear`'s 0.972 on o_proj's shape: the
-# split's workspace and join cost more than the second program's half of the stream saves once a
-# step's product is 64 x 64 x 64. 4 slots of 2 steps read 0.940 / 0.847 whole, 8 slots of 1 step
-# 0.886 / 0.914.
-_ROW_DECODE = GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=6, swap_ab=True,
-                         warp_specialize=True, gluon=True, steps_per_stage=2)
+# Twentieth session: programs a tile for the swapped subtrees (splitk.half_wave_split) fill half the
+# SMs, not a wave: at o_proj's and down's 64 tiles one program holds a tile's whole tree. At M = 64
+# (sweep_rowtree.py --swapped-only, two calls) 0.939 / 0.999 on o_proj and 1.048 / 1.070 on down,
+# against 0.814 / 0.825 and 1.021 / 1.038 for two programs a tile; 4 slots of 2 steps 0.940 / 0.847
+# whole, 8 slots of 1 step 0.886 / 0.914.
 ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
-    (32, _ROW_DECODE),
-    (64, replace(_ROW_DECODE, whole_tree=True)),
+    (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=6, swap_ab=True, warp_specialize=True,
+                    gluon=True, steps_per_stage=2)),
     (128, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
     (256, GemmConfig(block_m=128, block_n=64, group_m=8, num_warps=4, num_stages=8, warp_specialize=True, gluon=True,
                      accumulators=2)),
@@ -270,7 +260,7 @@ def tl_tile(config: GemmConfig) -> GemmConfig:
     if not config.gluon:
         return config
     if config.swap_ab:
-        return replace(config, gluon=False, warp_specialize=False, steps_per_stage=1, whole_tree=False)
+        return replace(config, gluon=False, warp_specialize=False, steps_per_stage=1)
     return replace(config, gluon=False, num_stages=min(config.num_stages, MAX_WARP_SPECIALIZED_STAGES),
                    block_n=1 << (config.block_n.bit_length() - 1), accumulators=1, tma_store=False)
 

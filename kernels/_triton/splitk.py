@@ -17,7 +17,7 @@ never which sums: every SPLIT gives the same bits, which is what lets decode-siz
 more programs than tiles. The tile shape (ROW_CONFIGS) only decides which program computes an
 element, as in matmul.py. The Gluon configs run the same tree in Gluon: the many-tile buckets in
 splitk_ws.py (a producer warp and two consumer warpgroups, split 1), the decode bucket in swap_ws.py
-(swapped subtrees, split to fill one wave, the same ticketed join).
+(swapped subtrees, split to fill half the SMs: half_wave_split; the same ticketed join).
 """
 from __future__ import annotations
 
@@ -158,11 +158,17 @@ def split_for(tiles: int, chunks: int, device: torch.device, target_programs_per
     return split
 
 
-def one_wave_split(tiles: int, chunks: int, device: torch.device) -> int:
+def half_wave_split(tiles: int, chunks: int, device: torch.device) -> int:
     """Programs per tile for the swapped Gluon subtrees, one program an SM (their ring fills it):
-    the largest power of two, at most one per chunk, whose programs fit in one wave (at least 1)."""
+    the largest power of two, at most one per chunk, whose programs fill at most half the SMs (at
+    least 1). Twentieth session (H200, 132 SMs, sweep_rowtree.py --swapped-only): at o_proj's and
+    down's 64 tiles (M <= 64), one program a tile (the whole tree, 64 programs) read 1.08 / 1.15 /
+    1.17 / 1.24 / 1.00x cuBLAS on o_proj at M = 1 / 8 / 16 / 32 / 64 against 1.01 / 1.08 / 1.12 /
+    1.10 / 0.83 for two a tile (one wave: the subtree roots joined through a workspace by the
+    tile's last program), and on down within 2% of it at 1-32 rows and 1.07 against 1.04 at 64.
+    The rule keeps that count of programs for fewer tiles (a smaller model's): 32 tiles, 2 a tile."""
     split = 1
-    while split * 2 <= chunks and tiles * split * 2 <= resident_programs(device):
+    while split * 2 <= chunks and tiles * split * 2 <= resident_programs(device) // 2:
         split *= 2
     return split
 
@@ -201,9 +207,9 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
     x_op, w_op = _chunk_operand(x, chunks, chunk, padded), _chunk_operand(weight, chunks, chunk, padded)
     if cfg.gluon and cfg.swap_ab and (INTERPRETING or not swap_ws_fits(chunk, cfg, x.dtype)):
         cfg = tl_tile(cfg)  # the decode bucket's tile in the tl kernel: the same sums at every split
-    if cfg.gluon and cfg.swap_ab:  # the decode bucket: swap_ws.py's subtrees, split to fill one wave
-        tiles = triton.cdiv(m, tile_rows(m, cfg)) * triton.cdiv(n, cfg.block_n)  # (or whole: cfg.whole_tree)
-        split = _split(split or (1 if cfg.whole_tree else one_wave_split(tiles, chunks, x.device)), chunks)
+    if cfg.gluon and cfg.swap_ab:  # the decode bucket: swap_ws.py's subtrees, split to fill half the SMs
+        tiles = triton.cdiv(m, tile_rows(m, cfg)) * triton.cdiv(n, cfg.block_n)
+        split = _split(split or half_wave_split(tiles, chunks, x.device), chunks)
         ws, tickets = _workspace(split, m, n, tiles, x.device)
         gemm_swap_ws(x_op, w_op, out, cfg, chunks=chunks, chunk=chunk, padded=padded, split=split, ws=ws,
                      tickets=tickets)
