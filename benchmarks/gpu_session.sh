@@ -41,6 +41,7 @@
 #               one candidate, not the call)
 #   logp        benchmarks/bench_logp.py (kernels.py's linear-logp section alone)
 #   logp_support bench_logp.py's top-p replay table alone (the support kernel's bits against the reference first)
+#   sweep_support sweep_logp.py support: the support kernel's warps x slots against the reference's expression
 #   sweep_gemm_column benchmarks/sweep_gemm.py --column (tiles up to 256 rows, swapped ones too, on qkv and gate_up;
 #               bits checked against the table's kernel)
 #   sweep_gemm_large benchmarks/sweep_gemm.py --large (warp-specialised tiles vs the table at M = 256 .. 4096 on
@@ -135,6 +136,8 @@ for stage in "$@"; do
              tail -8 "$OUT/sweep_gemm_m.log" ;;
     logp_support) link_lockstep; timeout 200 python3 -c "import lockstep.kernels as K, bench_logp as b; K.set_backend('triton'); print(b.support_table())" \
                > "$OUT/logp_support.log" 2>&1; tail -8 "$OUT/logp_support.log" ;;
+    sweep_support) link_lockstep; timeout 300 python3 benchmarks/sweep_logp.py support > "$OUT/sweep_support.log" 2>&1
+             tail -14 "$OUT/sweep_support.log" ;;
     logp)    link_lockstep; timeout 300 python3 benchmarks/bench_logp.py > "$OUT/logp.log" 2>&1; tail -30 "$OUT/logp.log" ;;
     kernels) link_lockstep; timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
     *)       echo "unknown stage $stage"; rc=2 ;;

@@ -9,6 +9,8 @@ and the tl kernel's stages are in benchmarks/RESULTS.md.
     python benchmarks/sweep_logp.py     # SWEEP_T=256,4096: other token counts (default 256,4096)
     SWEEP_CANDIDATES=0,2 SWEEP_ENTROPY=0 python benchmarks/sweep_logp.py   # two candidates, bits without entropy
     SWEEP_TIME_ENTROPY=1 python benchmarks/sweep_logp.py                   # time the forwards with entropy
+    python benchmarks/sweep_logp.py support    # the top-p support kernel's warps x slots against the
+                                               # torch reference's expression (T = 128, k = 64, 1,024)
 """
 from __future__ import annotations
 
@@ -61,5 +63,36 @@ def main() -> None:
         _use(*CANDIDATES[0][1:])
 
 
+# the support kernel's (warps, weight-row elements a program: 2 slots at H = 4,096 per 8,192)
+SUPPORT_CANDIDATES = [(1, 4096), (1, 8192), (2, 8192), (2, 16384), (4, 8192), (4, 16384)]
+
+
+def support() -> None:
+    """Each candidate's support logits checked bitwise against the reference's, then timed with the
+    reference's expression in alternating turns (the kernel always: SUPPORT_TORCH_BYTES = 0)."""
+    from lockstep.kernels.logp import torch_support_logits
+
+    K.set_backend("triton")
+    w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
+    saved = triton_logp.SUPPORT_OPTIONS, triton_logp.SUPPORT_ELEMENTS, triton_logp.SUPPORT_TORCH_BYTES
+    triton_logp.SUPPORT_TORCH_BYTES = 0
+    for k in (64, 1024):
+        h = torch.randn(128, H, device="cuda", dtype=torch.bfloat16)
+        ids = torch.randint(0, V, (128, k), device="cuda")
+        ref = torch_support_logits(h, w, ids)
+        for warps, elements in SUPPORT_CANDIDATES:
+            triton_logp.SUPPORT_OPTIONS = dict(saved[0], num_warps=warps)
+            triton_logp.SUPPORT_ELEMENTS = elements
+            if not torch.equal(triton_logp.support_logits(h, w, ids), ref):
+                print(f"k={k} {warps} warps x {elements}: BITS DIFFER", flush=True)
+                continue
+            base, ms = fwd_pair_ms(lambda: torch_support_logits(h, w, ids), lambda: triton_logp.support_logits(h, w, ids))
+            print(f"k={k} {warps} warps x {elements} elements: {ms:.3f} ms = {ms / base:.3f}x the reference's "
+                  f"expression ({base:.3f} ms)", flush=True)
+    triton_logp.SUPPORT_OPTIONS, triton_logp.SUPPORT_ELEMENTS, triton_logp.SUPPORT_TORCH_BYTES = saved
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    support() if sys.argv[1:] == ["support"] else main()
