@@ -63,8 +63,9 @@ def main() -> None:
         _use(*CANDIDATES[0][1:])
 
 
-# the support kernel's (warps, weight-row elements a program: 2 slots at H = 4,096 per 8,192)
-SUPPORT_CANDIDATES = [(1, 4096), (1, 8192), (2, 8192), (2, 16384), (4, 8192), (4, 16384)]
+# the support kernel's weight-row bytes a warp (SUPPORT_WARP_BYTES: at H = 4,096 bf16, 8 KiB is one
+# warp of 1 slot, 16 KiB one of 2, 32 KiB two warps of 4)
+SUPPORT_CANDIDATES = [8192, 16384, 32768, 65536]
 
 
 def support() -> None:
@@ -74,22 +75,21 @@ def support() -> None:
 
     K.set_backend("triton")
     w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
-    saved = triton_logp.SUPPORT_OPTIONS, triton_logp.SUPPORT_ELEMENTS, triton_logp.SUPPORT_TORCH_BYTES
+    saved = triton_logp.SUPPORT_WARP_BYTES, triton_logp.SUPPORT_TORCH_BYTES
     triton_logp.SUPPORT_TORCH_BYTES = 0
     for k in (64, 1024):
         h = torch.randn(128, H, device="cuda", dtype=torch.bfloat16)
         ids = torch.randint(0, V, (128, k), device="cuda")
         ref = torch_support_logits(h, w, ids)
-        for warps, elements in SUPPORT_CANDIDATES:
-            triton_logp.SUPPORT_OPTIONS = dict(saved[0], num_warps=warps)
-            triton_logp.SUPPORT_ELEMENTS = elements
+        for warp_bytes in SUPPORT_CANDIDATES:
+            triton_logp.SUPPORT_WARP_BYTES = warp_bytes
             if not torch.equal(triton_logp.support_logits(h, w, ids), ref):
-                print(f"k={k} {warps} warps x {elements}: BITS DIFFER", flush=True)
+                print(f"k={k} {warp_bytes} bytes a warp: BITS DIFFER", flush=True)
                 continue
             base, ms = fwd_pair_ms(lambda: torch_support_logits(h, w, ids), lambda: triton_logp.support_logits(h, w, ids))
-            print(f"k={k} {warps} warps x {elements} elements: {ms:.3f} ms = {ms / base:.3f}x the reference's "
-                  f"expression ({base:.3f} ms)", flush=True)
-    triton_logp.SUPPORT_OPTIONS, triton_logp.SUPPORT_ELEMENTS, triton_logp.SUPPORT_TORCH_BYTES = saved
+            print(f"k={k} {warp_bytes} bytes a warp: {ms:.3f} ms = {ms / base:.3f}x the reference's expression "
+                  f"({base:.3f} ms)", flush=True)
+    triton_logp.SUPPORT_WARP_BYTES, triton_logp.SUPPORT_TORCH_BYTES = saved
 
 
 if __name__ == "__main__":

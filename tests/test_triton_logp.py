@@ -657,7 +657,7 @@ from triton.compiler import ASTSource
 sup = dict(h_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64", z_ptr="*fp32", k="i32", H="i32", stride_h="i32",
            stride_w="i32")
 for fused in (False, True):
-    opts = dict(L.SUPPORT_OPTIONS, num_stages=1, **(dict(enable_fp_fusion=True) if fused else {}))
+    opts = dict(L.SUPPORT_OPTIONS, num_warps=1, num_stages=1, **(dict(enable_fp_fusion=True) if fused else {}))
     ptx = triton.compile(ASTSource(L._support_logits_kernel, sup, dict(SLOTS=4, LOG2_H=12)),
                          target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
     out[f"support_fma_{fused}"] = len(re.findall(r"\bfma\.", ptx))

@@ -124,15 +124,17 @@ MERGE_STATES_PER_PROGRAM = 4096
 # decode step's supports keep the faster expression; a training batch's (8,192 rows x 256 ids at
 # H = 4,096: 16 GiB of products) take the kernel. Lower it where that moment's memory is not there.
 SUPPORT_TORCH_BYTES = 1 << 30
-# weight-row elements (slots x hidden columns padded to a power of two) one program of the kernel
-# holds, and its warps: one warp of 2 slots at H = 4,096. Compiled for sm_90a (bf16): 146 registers,
-# no spill, about 2,900 warp instructions a slot, against 17,500 at 4 warps x 2 slots (the tree's
-# late levels run replicated over a program's lanes and warps) and 2,472 bytes spilled at 4 x 4
-# (the first measured form: 11.7 ms at T = 128, k = 1,024, above)
-SUPPORT_ELEMENTS = 8192
+# weight-row bytes (slots x hidden columns padded to a power of two) a warp of the kernel holds: a
+# program takes as many slots as fit one warp's share (at least one row), and a warp per share of
+# them. bf16 at H = 4,096: one warp of 2 slots. Compiled for sm_90a: 99-146 registers and no spill
+# for bf16 at H = 2,048-16,384 and fp32 at 2,048-8,192; about 2,900 warp instructions a slot at
+# H = 4,096, against 17,500 at 4 warps x 2 slots (the tree's late levels run replicated over a
+# program's lanes and warps) and 2,472 bytes spilled at 4 x 4 (the first measured form: 11.7 ms at
+# T = 128, k = 1,024, above)
+SUPPORT_WARP_BYTES = 16384
 # enable_fp_fusion=False: a product and the first sum it meets stay two roundings (an fma would be
 # one: ptxas gets 64 of them at fp32 otherwise, tests/test_triton_logp.py)
-SUPPORT_OPTIONS = dict(num_warps=1, enable_fp_fusion=False)
+SUPPORT_OPTIONS = dict(enable_fp_fusion=False)
 
 # ------------------------------------------------------------------------------------------------
 # Kernels
@@ -823,11 +825,12 @@ def _support_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
     if z.numel() == 0:
         return z
     log2_h = max(0, (H - 1).bit_length())
-    slots = max(1, min(triton.next_power_of_2(k), SUPPORT_ELEMENTS >> log2_h))
+    row = (1 << log2_h) * hidden.element_size()
+    slots = max(1, min(triton.next_power_of_2(k), SUPPORT_WARP_BYTES // row))
     hidden, weight = hidden.contiguous(), weight.contiguous()
     _support_logits_kernel[(T * triton.cdiv(k, slots),)](
         hidden, weight, ids.contiguous(), z, k, H, hidden.stride(0), weight.stride(0), SLOTS=slots, LOG2_H=log2_h,
-        PADDED=H != 1 << log2_h, **SUPPORT_OPTIONS)
+        PADDED=H != 1 << log2_h, num_warps=max(1, slots * row // SUPPORT_WARP_BYTES), **SUPPORT_OPTIONS)
     return z
 
 
