@@ -23,6 +23,8 @@ forward+backward times and memory are measured eagerly.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 if __package__:  # imported as benchmarks.bench_logp
@@ -134,34 +136,47 @@ def _naive_support_logp(hidden, weight, targets, ids):
     return kept.log_softmax(-1).gather(1, targets[:, None])[:, 0]
 
 
+@contextlib.contextmanager
+def support_kernel():
+    """The Triton backend's support logits through the kernel at every size (below
+    SUPPORT_TORCH_BYTES of products it runs the reference's expression); restored after."""
+    from lockstep.kernels._triton import logp as triton_logp
+
+    saved = triton_logp.SUPPORT_TORCH_BYTES
+    triton_logp.SUPPORT_TORCH_BYTES = 0
+    try:
+        yield triton_logp
+    finally:
+        triton_logp.SUPPORT_TORCH_BYTES = saved
+
+
 def _support_logp(hidden, weight, targets, ids, backend):
     with K.using_backend(backend):
         return K.linear_logp(hidden, weight, targets, support_ids=ids).logp
 
 
 def support_table() -> str:
-    from lockstep.kernels._triton import logp as triton_logp
-
-    rows = []
-    torch_bytes, triton_logp.SUPPORT_TORCH_BYTES = triton_logp.SUPPORT_TORCH_BYTES, 0  # the kernel at every k
-    for k in SUPPORT_WIDTHS:
-        hidden, weight, targets = _inputs(SUPPORT_TOKENS)
-        ids = torch.randint(0, VOCAB, (SUPPORT_TOKENS, k), device="cuda")
-        ids[:, 0] = targets
-        naive_fn = lambda: _naive_support_logp(hidden, weight, targets, ids)  # noqa: E731
-        torch_fn = lambda: _support_logp(hidden, weight, targets, ids, "torch")  # noqa: E731
-        ours_fn = lambda: _support_logp(hidden, weight, targets, ids, "triton")  # noqa: E731
-        if not torch.equal(torch_fn(), ours_fn()):
-            raise AssertionError(f"support logp at k = {k}: the Triton path's bits differ from the torch reference's")
-        naive_ms, ours_ms = fwd_pair_ms(naive_fn, ours_fn)
-        torch_ms = fwd_ms(torch_fn)
-        mem = [measure(fn).extra_gib for fn in (naive_fn, torch_fn, ours_fn)]
-        rows.append([k, naive_ms, torch_ms, ours_ms, ours_ms / naive_ms, ours_ms / torch_ms, *mem])
-    triton_logp.SUPPORT_TORCH_BYTES = torch_bytes
+    with support_kernel():
+        rows = [_support_row(k) for k in SUPPORT_WIDTHS]
     columns = ["k", "naive ms", "torch reference ms", "kernel ms", "vs naive", "vs torch reference",
                "naive GiB", "torch reference GiB", "kernel GiB"]
     return markdown_table(f"linear_logp top-p replay forward (T = {SUPPORT_TOKENS}, bf16, H={HIDDEN}, V={VOCAB}), "
                           "bits equal to the torch reference's", columns, rows)
+
+
+def _support_row(k: int) -> list:
+    hidden, weight, targets = _inputs(SUPPORT_TOKENS)
+    ids = torch.randint(0, VOCAB, (SUPPORT_TOKENS, k), device="cuda")
+    ids[:, 0] = targets
+    naive_fn = lambda: _naive_support_logp(hidden, weight, targets, ids)  # noqa: E731
+    torch_fn = lambda: _support_logp(hidden, weight, targets, ids, "torch")  # noqa: E731
+    ours_fn = lambda: _support_logp(hidden, weight, targets, ids, "triton")  # noqa: E731
+    if not torch.equal(torch_fn(), ours_fn()):
+        raise AssertionError(f"support logp at k = {k}: the Triton path's bits differ from the torch reference's")
+    naive_ms, ours_ms = fwd_pair_ms(naive_fn, ours_fn)
+    torch_ms = fwd_ms(torch_fn)
+    mem = [measure(fn).extra_gib for fn in (naive_fn, torch_fn, ours_fn)]
+    return [k, naive_ms, torch_ms, ours_ms, ours_ms / naive_ms, ours_ms / torch_ms, *mem]
 
 
 def run(out_md_lines: list[str]) -> None:

@@ -227,11 +227,9 @@ CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 # 0.949 / 0.940 for one, each chunk drained. At 1,024 rows two accumulators (8 chunks: 256 bytes
 # spilled) read 0.828 / 0.781 against 0.769 / 0.805: not taken.
 #
-# Twentieth session: programs a tile for the swapped subtrees (splitk.half_wave_split) fill half the
-# SMs, not a wave: at o_proj's and down's 64 tiles one program holds a tile's whole tree. At M = 64
-# (sweep_rowtree.py --swapped-only, two calls) 0.939 / 0.999 on o_proj and 1.048 / 1.070 on down,
-# against 0.814 / 0.825 and 1.021 / 1.038 for two programs a tile; 4 slots of 2 steps 0.940 / 0.847
-# whole, 8 slots of 1 step 0.886 / 0.914.
+# Twentieth session: the swapped subtrees' programs fill half the SMs, not a wave (the readings are
+# splitk.half_wave_split's): one program a tile at o_proj's and down's 64 tiles. With one program a
+# tile, 4 slots of 2 steps read 0.940 / 0.847 at M = 64, 8 slots of 1 step 0.886 / 0.914.
 ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=6, swap_ab=True, warp_specialize=True,
                     gluon=True, steps_per_stage=2)),
