@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from bench_logp import SUPPORT_TOKENS, SUPPORT_WIDTHS, fwd_pair_ms, support_kernel
+from bench_logp import SUPPORT_TOKENS, SUPPORT_WIDTHS, fwd_pair_ms
 import lockstep.kernels as K
 from lockstep.kernels._triton import logp as triton_logp
 
@@ -70,13 +70,13 @@ SUPPORT_CANDIDATES = [8192, 16384, 32768, 65536]
 
 def support() -> None:
     """Each candidate's support logits checked bitwise against the reference's, then timed with the
-    reference's expression in alternating turns (the kernel at every size: bench_logp.support_kernel)."""
+    reference's expression in alternating turns."""
     from lockstep.kernels.logp import torch_support_logits
 
     K.set_backend("triton")
     w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
     saved = triton_logp.SUPPORT_WARP_BYTES
-    with support_kernel():
+    try:
         for k in SUPPORT_WIDTHS:
             h = torch.randn(SUPPORT_TOKENS, H, device="cuda", dtype=torch.bfloat16)
             ids = torch.randint(0, V, (SUPPORT_TOKENS, k), device="cuda")
@@ -90,8 +90,8 @@ def support() -> None:
                                        lambda: triton_logp.support_logits(h, w, ids))
                 print(f"k={k} {warp_bytes} bytes a warp: {ms:.3f} ms = {ms / base:.3f}x the reference's expression "
                       f"({base:.3f} ms)", flush=True)
-    triton_logp.SUPPORT_WARP_BYTES = saved
-
+    finally:
+        triton_logp.SUPPORT_WARP_BYTES = saved
 
 if __name__ == "__main__":
     import sys

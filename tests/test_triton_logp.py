@@ -308,15 +308,8 @@ def _support_case(t, h, v, k, dtype, device="cpu", seed=5):
     return hidden, weight, ids
 
 
-@pytest.fixture
-def support_kernel(monkeypatch):
-    """Every support logit through the kernel (small products otherwise run the reference's own
-    expression: SUPPORT_TORCH_BYTES)."""
-    monkeypatch.setattr(_triton_logp_module(), "SUPPORT_TORCH_BYTES", 0)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_support_logits_are_the_references_bits(dtype, support_kernel):
+def test_support_logits_are_the_references_bits(dtype):
     """Top-p replay's support logits without the [T, k, H] products: the reference's bits (its
     bf16-rounded products and tree sums), at hidden widths that are and are not powers of two and k
     not a multiple of a program's slots; the gradients are the reference's too. Negative control: a
@@ -339,7 +332,7 @@ def test_support_logits_are_the_references_bits(dtype, support_kernel):
     assert not torch.equal(logp_module.tree_sum(pairs, -1), logp_module.torch_support_logits(hidden, weight, ids))
 
 
-def test_support_replay_through_triton_equals_torch(support_kernel):
+def test_support_replay_through_triton_equals_torch():
     """linear_logp with support_ids gives the torch backend's bits on the Triton backend (sharded
     supports included: ids outside the shard read 0), and rejects mixed dtypes by name."""
     hidden, weight, _ = _support_case(6, 48, 30, 5, torch.bfloat16, seed=9)
@@ -355,20 +348,6 @@ def test_support_replay_through_triton_equals_torch(support_kernel):
     assert K.kernel_calls()["linear_logp_support_logits"] == calls.get("linear_logp_support_logits", 0) + 1
     with pytest.raises(ValueError, match="one dtype"):
         _triton_logp_module().support_logits(hidden, weight.float(), ids.clamp(min=0))
-
-
-def test_small_supports_run_the_references_expression(monkeypatch):
-    """Below SUPPORT_TORCH_BYTES of products the Triton backend runs the reference's expression (the
-    same bits, faster there); above it the kernel: the launch is what tells them apart."""
-    module = _triton_logp_module()
-    hidden, weight, ids = _support_case(4, 32, 10, 3, torch.float32)
-    launches = []
-    monkeypatch.setattr(module, "_support_logits", lambda *a: launches.append(a) or module.torch_support_logits(*a))
-    module.support_logits(hidden, weight, ids)
-    assert not launches
-    monkeypatch.setattr(module, "SUPPORT_TORCH_BYTES", 4 * 3 * 32 * 4 - 1)  # one byte short of these products
-    module.support_logits(hidden, weight, ids)
-    assert len(launches) == 1
 
 
 def test_empty_batch():
@@ -477,7 +456,7 @@ def _fp32_naive(hidden, weight, targets):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_support_logits_are_the_references_bits(dtype, support_kernel):
+def test_gpu_support_logits_are_the_references_bits(dtype):
     """On the GPU (cvt.rn rounding, no fma under SUPPORT_OPTIONS) the support logits of Qwen3's
     hidden width are the torch reference's bits, at a decode batch and a training batch of rows."""
     module = _triton_logp_module()

@@ -116,21 +116,20 @@ BACKWARD_SLICE_CHUNKS = 8
 BACKWARD_SLICE_BYTES = 512 << 20
 # chunk states (rows x chunks, padded to a power of two) one program of the merge holds per array
 MERGE_STATES_PER_PROGRAM = 4096
-# Top-p replay's support logits (lockstep.kernels.logp.torch_support_logits). Where the reference's
-# [T, k, H] products take at most SUPPORT_TORCH_BYTES they are what runs (the same bits, and faster:
-# benchmarks/bench_logp.py's support table, H200, T = 128, H = 4,096: the kernel 0.80 / 11.7 ms
-# against the reference's 0.33 / 3.5 ms at k = 64 / 1,024, where the reference takes 0.125 / 2 GiB
-# for a moment); above it _support_logits_kernel, whose memory is the [T, k] logits. 1 GiB: a
-# decode step's supports keep the faster expression; a training batch's (8,192 rows x 256 ids at
-# H = 4,096: 16 GiB of products) take the kernel. Lower it where that moment's memory is not there.
-SUPPORT_TORCH_BYTES = 1 << 30
+# Top-p replay's support logits (lockstep.kernels.logp.torch_support_logits) run
+# _support_logits_kernel at every size: the reference's bits without its [T, k, H] products, and
+# faster than its expression (benchmarks/bench_logp.py's support table, H200, T = 128, H = 4,096,
+# bf16: 0.131 / 0.73 ms against the expression's 0.325 / 3.52 ms at k = 64 / 1,024, whose products
+# take 0.125 / 2 GiB for a moment; the kernel's memory is the [T, k] logits).
 # weight-row bytes (slots x hidden columns padded to a power of two) a warp of the kernel holds: a
 # program takes as many slots as fit one warp's share (at least one row), and a warp per share of
 # them. bf16 at H = 4,096: one warp of 2 slots. Compiled for sm_90a: 99-146 registers and no spill
 # for bf16 at H = 2,048-16,384 and fp32 at 2,048-8,192; about 2,900 warp instructions a slot at
 # H = 4,096, against 17,500 at 4 warps x 2 slots (the tree's late levels run replicated over a
 # program's lanes and warps) and 2,472 bytes spilled at 4 x 4 (the first measured form: 11.7 ms at
-# T = 128, k = 1,024, above)
+# T = 128, k = 1,024). `sweep_logp.py support` (H200, T = 128, H = 4,096, bf16, against the
+# expression): 8 / 16 / 32 / 64 KiB a warp read 0.216 / 0.175 / 0.668 / 0.503x at k = 64 and
+# 0.228 / 0.178 / 0.827 / 0.666x at k = 1,024
 SUPPORT_WARP_BYTES = 16384
 # enable_fp_fusion=False: a product and the first sum it meets stay two roundings (an fma would be
 # one: ptxas gets 64 of them at fp32 otherwise, tests/test_triton_logp.py)
@@ -989,10 +988,7 @@ def chunk_states(hidden, weight, targets, *, vocab_start, width, real_vocab_size
 
 
 def support_logits(hidden, weight, ids):
-    """Triton version of lockstep.kernels.logp.torch_support_logits (the same bits): the reference's
-    own expression up to SUPPORT_TORCH_BYTES of products, the kernel above."""
-    if ids.numel() * hidden.shape[-1] * hidden.element_size() <= SUPPORT_TORCH_BYTES:
-        return torch_support_logits(hidden, weight, ids)
+    """Triton version of lockstep.kernels.logp.torch_support_logits (the same bits): the kernel above."""
     return _support_logits_op(hidden, weight, ids)
 
 
