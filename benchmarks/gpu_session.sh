@@ -42,6 +42,8 @@
 #   logp        benchmarks/bench_logp.py (kernels.py's linear-logp section alone)
 #   logp_support bench_logp.py's top-p replay table alone (the support kernel's bits against the reference first)
 #   sweep_support sweep_logp.py support: the support kernel's warps x slots against the reference's expression
+#   probe_limits benchmarks/probe_limits.py $PROBE_ARGS (default logp decode: linear-logp's weight traffic at
+#               T = 256, decode programs a pair forced)
 #   sweep_gemm_column benchmarks/sweep_gemm.py --column (tiles up to 256 rows, swapped ones too, on qkv and gate_up;
 #               bits checked against the table's kernel)
 #   sweep_gemm_large benchmarks/sweep_gemm.py --large (warp-specialised tiles vs the table at M = 256 .. 4096 on
@@ -138,6 +140,8 @@ for stage in "$@"; do
                > "$OUT/logp_support.log" 2>&1; tail -8 "$OUT/logp_support.log" ;;
     sweep_support) link_lockstep; timeout 300 python3 benchmarks/sweep_logp.py support > "$OUT/sweep_support.log" 2>&1
              tail -14 "$OUT/sweep_support.log" ;;
+    probe_limits) link_lockstep; timeout 400 python3 benchmarks/probe_limits.py ${PROBE_ARGS:-logp decode} \
+               > "$OUT/probe_limits.log" 2>&1; tail -30 "$OUT/probe_limits.log" ;;
     logp)    link_lockstep; timeout 300 python3 benchmarks/bench_logp.py > "$OUT/logp.log" 2>&1; tail -30 "$OUT/logp.log" ;;
     kernels) link_lockstep; timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
     *)       echo "unknown stage $stage"; rc=2 ;;

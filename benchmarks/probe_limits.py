@@ -1,0 +1,102 @@
+"""What limits two of issue 15's misses, measured (CUDA only; speed only, every variant's bits checked).
+
+    python benchmarks/probe_limits.py [logp] [decode]
+
+logp: linear_logp at T = 256 runs 128 programs (two 128-row blocks x 64 vocab chunks) that each read
+their chunk's weight rows; the two row blocks of a chunk read the same rows. If they are fetched
+from DRAM twice, the forward is bound by 2 x 1.24 GB of weight traffic. The probe times, in one
+process: the weight's DRAM copy rate, the bare GEMM at T = 128 and 256, the forward at T = 256, and
+the forward at T = 128 in one 128-row block (64 programs, every weight row read once): if a program
+of the latter runs as long as one of the former, the doubled traffic is not what binds.
+decode: programs per (sequence, kv head) forced to 1-4 (or 4-8) at the decode table's larger
+batches, against the table's own choice, in paired CUDA-graph turns.
+
+What it read (H200, twenty-first session; benchmarks/RESULTS.md): the forward at T = 256 0.558 ms,
+one 128-row block alone 0.461 ms; pacing the two row blocks' producers together in the Gluon
+forward (a counter per chunk every 4-16 k steps) did not move T = 256 (0.560-0.564 ms against
+0.566 unpaced), so the weight's DRAM reads are not what a full machine's programs wait on. Decode:
+three programs a pair at batch 64 read 1.03x / 1.08x the table's one at 4k / 16k keys; two or four
+at batch 256 0.88-0.91x.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _harness import measure, paired_graph_ms  # noqa: E402
+from bench_logp import HIDDEN, VOCAB, _inputs, fwd_ms, fwd_pair_ms  # noqa: E402
+import lockstep.kernels as K  # noqa: E402
+from lockstep.kernels._triton._device import resident_programs  # noqa: E402
+
+
+def logp() -> None:
+    from lockstep.kernels._triton import logp as L
+
+    K.set_backend("triton")
+    h, w, tgt = _inputs(256)
+    copy = measure(lambda: torch.empty_like(w).copy_(w))
+    print(f"weight {w.numel() * 2 / 2**30:.2f} GiB: copy {copy.ms:.3f} ms = {2 * w.numel() * 2 / copy.ms / 1e9:.2f} "
+          f"TB/s (read + write)", flush=True)
+    for t in (128, 256):
+        gemm, ours = fwd_pair_ms(lambda: h[:t] @ w.t(), lambda: K.linear_logp(h[:t], w, tgt[:t]))
+        print(f"T={t} table: GEMM {gemm:.3f} ms, linear_logp {ours:.3f} ms = {ours / gemm:.3f}x", flush=True)
+    ref = K.linear_logp(h[:128], w, tgt[:128]).logp
+    saved = L.BLOCK_T_WARPS, L.MIN_WAVE_FILL, L.WS_MIN_ITEMS_PER_PROGRAM
+    try:
+        L.BLOCK_T_WARPS, L.MIN_WAVE_FILL = {128: 8}, 0.0
+        assert torch.equal(K.linear_logp(h[:128], w, tgt[:128]).logp, ref)
+        one = fwd_ms(lambda: K.linear_logp(h[:128], w, tgt[:128]))
+        print(f"T=128 in one 128-row block (64 programs): {one:.3f} ms", flush=True)
+        L.BLOCK_T_WARPS, L.MIN_WAVE_FILL = saved[:2]
+        L.WS_MIN_ITEMS_PER_PROGRAM = 0
+        ref = K.linear_logp(h, w, tgt).logp
+        gemm, ws = fwd_pair_ms(lambda: h @ w.t(), lambda: K.linear_logp(h, w, tgt))
+        print(f"T=256 Gluon forward: {ws:.3f} ms = {ws / gemm:.3f}x", flush=True)
+        L.BLOCK_T_WARPS, L.MIN_WAVE_FILL = {128: 8}, 0.0
+        one = fwd_ms(lambda: K.linear_logp(h[:128], w, tgt[:128]))
+        print(f"T=128 Gluon forward, one 128-row block (64 programs): {one:.3f} ms", flush=True)
+    finally:
+        L.BLOCK_T_WARPS, L.MIN_WAVE_FILL, L.WS_MIN_ITEMS_PER_PROGRAM = saved
+    print(f"(H = {HIDDEN}, V = {VOCAB}, bf16)")
+
+
+def decode() -> None:
+    from sweep_attention import paged_inputs
+    from lockstep.kernels._triton import attention as A
+
+    K.set_backend("triton")
+    cfg = A.TUNING["decode"]
+    table = cfg["PROGRAMS_PER_SM"]
+    sms = resident_programs(torch.device("cuda"))
+    print("| batch x context | programs a pair | table us | forced us | table / forced | bits |\n|---|---|---|---|---|---|")
+    for batch, context, forced in ((64, 4096, (1, 2, 3, 4)), (64, 16384, (2, 3)), (256, 1024, (2, 4)),
+                                   (256, 4096, (2, 3)), (16, 4096, (4, 6, 8)), (16, 16384, (4, 6))):
+        args = paged_inputs(batch, context, 1)
+        pairs = batch * 8
+        ref = A._paged(*args)
+        for p in forced:
+            pps = -(-p * pairs // sms)  # the smallest programs-an-SM figure whose grid gives p a pair
+
+            def run(v=pps):
+                cfg["PROGRAMS_PER_SM"] = v
+                try:
+                    return A._paged(*args)
+                finally:
+                    cfg["PROGRAMS_PER_SM"] = table
+
+            same = torch.equal(run(), ref)
+            a, b = paired_graph_ms(lambda: A._paged(*args), run)
+            print(f"| {batch} x {context} | {p} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.3f} | "
+                  f"{'same' if same else 'DIFFER'} |", flush=True)
+        del args
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    what = sys.argv[1:] or ["logp", "decode"]
+    for name in what:
+        {"logp": logp, "decode": decode}[name]()
