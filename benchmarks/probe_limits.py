@@ -14,7 +14,8 @@ batches, against the table's own choice, in paired CUDA-graph turns.
 What it read (H200, twenty-first session; benchmarks/RESULTS.md): the forward at T = 256 0.558 ms,
 one 128-row block alone 0.461 ms; pacing the two row blocks' producers together in the Gluon
 forward (a counter per chunk every 4-16 k steps) did not move T = 256 (0.560-0.564 ms against
-0.566 unpaced), so the weight's DRAM reads are not what a full machine's programs wait on. Decode:
+0.566 unpaced): either the doubled reads are not what binds (a full machine's clocks or L2 may be),
+or pacing did not make them shared (no profiler on the host to tell). Decode:
 three programs a pair at batch 64 read 1.03x / 1.08x the table's one at 4k / 16k keys; two or four
 at batch 256 0.88-0.91x.
 """
