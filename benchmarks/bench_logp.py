@@ -9,8 +9,9 @@ Qwen3's LM head in bf16 (H=4096, V=151936), T tokens:
   compared beyond those outputs;
 - tensor-parallel shards (V/2, V/4, V/8 local rows): the local forward against the bare GEMM on
   the same rows;
-- top-p replay (support_ids: T = 128 rows, k ids each): the Triton support kernel's forward against the naive path over the whole vocab (logits, the support kept by a scatter, log_softmax)
-  and against the torch reference's [T, k, H] products, time and extra memory.
+- top-p replay (support_ids: T = 128 rows, k ids each): the Triton support kernel's forward against
+  the naive path over the whole vocab (logits, the support kept by a scatter, log_softmax) and
+  against the torch reference's [T, k, H] products, time and extra memory.
 Both sides run in the same process on the same inputs (benchmarks/_harness.py). Forward times are
 kernel time on both sides: CUDA-graph replays (`fwd_ms`), with linear_logp's target-range check
 skipped, as a rollout engine skips it (it reads the targets on the host, which no graph can hold),
@@ -20,7 +21,6 @@ forward+backward times and memory are measured eagerly.
     python benchmarks/bench_logp.py
 """
 from __future__ import annotations
-
 
 import torch
 

@@ -93,6 +93,7 @@ def support() -> None:
     finally:
         triton_logp.SUPPORT_WARP_BYTES = saved
 
+
 if __name__ == "__main__":
     import sys
 

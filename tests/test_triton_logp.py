@@ -350,6 +350,18 @@ def test_support_replay_through_triton_equals_torch():
         _triton_logp_module().support_logits(hidden, weight.float(), ids.clamp(min=0))
 
 
+def test_support_logits_launch_the_kernel_at_every_size(monkeypatch):
+    """The Triton backend's support logits launch _support_logits_kernel however small the support
+    (never the reference's [T, k, H] products in its place): one launch a call."""
+    module = _triton_logp_module()
+    launches = []
+    real = module._support_logits
+    monkeypatch.setattr(module, "_support_logits", lambda *a: launches.append(a) or real(*a))
+    for t, h, v, k in ((1, 8, 4, 1), (3, 64, 9, 33)):
+        module.support_logits(*_support_case(t, h, v, k, torch.float32))
+    assert len(launches) == 2
+
+
 def test_empty_batch():
     hidden, weight, _ = _inputs(0, 16, 64, torch.float32)
     out = K.linear_logp(hidden, weight, torch.zeros(0, dtype=torch.long), with_entropy=True)
