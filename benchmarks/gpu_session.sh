@@ -20,6 +20,10 @@
 #   train_memory benchmarks/bench_train_memory.py (peak training memory vs max_tokens_per_gpu and batch)
 #   resume      benchmarks/resume_1gpu.py (4 steps straight vs 2 + resume, bf16 megatron, bitwise)
 #   rollout     benchmarks/bench_rollout.py (stock vLLM, batch-invariant, lockstep, native)
+#   rollout_ab  bench_rollout.py's lockstep config twice in one call (vLLM installed by vllm_a, vllm_b): first with
+#               $AB_KERNELS (another revision's kernels/ folder inside the tree, e.g. `git archive REV kernels |
+#               tar -x -C .ab/old`, carried; default .ab/old/kernels)
+#               linked in place of this tree's, then with this tree's; $ROLLOUT_AB_ARGS (default --shapes 8b)
 #   ab_decode   benchmarks/ab_decode.py $AB_OLD (default OLD.py: another revision's attention module, carried
 #               untracked) against this tree's decode attention, $AB_CASES the shapes
 #   decode      benchmarks/bench_decode.py (where a strict decode step spends its time; split-K vs cuBLAS)
@@ -112,6 +116,15 @@ for stage in "$@"; do
              cp /tmp/resume/resume.md "$OUT/resume.md" 2>/dev/null; grep -v "Logging error\|I/O operation" "$OUT/resume.log" | tail -20 ;;
     rollout) need_site; timeout 590 python3 benchmarks/bench_rollout.py "$OUT/rollout.md" ${ROLLOUT_ARGS:-} > "$OUT/rollout.log" 2>&1
              tail -20 "$OUT/rollout.log" ;;
+    rollout_ab) need_site; other=${AB_KERNELS:-.ab/old/kernels}
+             [ -d "$other" ] || { echo "rollout_ab: $other not carried"; rc=1; continue; }
+             for side in other this; do
+               ln -sfn "$PWD/$([ $side = other ] && echo "$other" || echo kernels)" $SITE/lockstep/kernels
+               timeout 280 python3 benchmarks/bench_rollout.py "$OUT/rollout_ab_$side.md" ${ROLLOUT_AB_ARGS:---shapes 8b} \
+                 --configs lockstep --timeout 150 > "$OUT/rollout_ab_$side.log" 2>&1
+               echo "kernels: $side"; tail -3 "$OUT/rollout_ab_$side.md"
+             done
+             ln -sfn "$PWD/kernels" $SITE/lockstep/kernels ;;
     ab_decode) link_lockstep; timeout 300 python3 benchmarks/ab_decode.py "${AB_OLD:-OLD.py}" ${AB_CASES:-} > "$OUT/ab_decode.log" 2>&1
              tail -16 "$OUT/ab_decode.log" ;;
     decode)  link_lockstep; timeout 300 python3 benchmarks/bench_decode.py "$OUT/decode.md" > "$OUT/decode.log" 2>&1; tail -40 "$OUT/decode.log" ;;
