@@ -1,6 +1,6 @@
 """What limits two of issue 15's misses, measured (CUDA only; speed only, every variant's bits checked).
 
-    python benchmarks/probe_limits.py [logp] [decode]
+    python benchmarks/probe_limits.py [logp] [decode] [clocks]
 
 logp: linear_logp at T = 256 runs 128 programs (two 128-row blocks x 64 vocab chunks) that each read
 their chunk's weight rows; the two row blocks of a chunk read the same rows. If they are fetched
@@ -8,6 +8,9 @@ from DRAM twice, the forward is bound by 2 x 1.24 GB of weight traffic. The prob
 process: the weight's DRAM copy rate, the bare GEMM at T = 128 and 256, the forward at T = 256, and
 the forward at T = 128 in one 128-row block (64 programs, every weight row read once): if a program
 of the latter runs as long as one of the former, the doubled traffic is not what binds.
+clocks: the SM clock and board power (nvidia-smi, sampled every 20 ms) while each of the bare GEMM
+and the forward at T = 256, and the forward at T = 128 in one row block, is replayed for two
+seconds: whether a full machine runs the same programs at a lower clock than half of it does.
 decode: programs per (sequence, kv head) forced to 1-4 (or 4-8) at the decode table's larger
 batches, against the table's own choice, in paired CUDA-graph turns.
 
@@ -21,14 +24,16 @@ at batch 256 0.88-0.91x.
 """
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _harness import measure, paired_graph_ms  # noqa: E402
+from _harness import _graph_of, measure, paired_graph_ms  # noqa: E402
 from bench_logp import HIDDEN, VOCAB, _inputs, fwd_ms, fwd_pair_ms  # noqa: E402
 import lockstep.kernels as K  # noqa: E402
 from lockstep.kernels._triton._device import resident_programs  # noqa: E402
@@ -65,6 +70,48 @@ def logp() -> None:
     print(f"(H = {HIDDEN}, V = {VOCAB}, bf16)")
 
 
+def _under_load(fn, seconds: float = 2.0) -> str:
+    """Median SM clock (MHz) and board power (W) nvidia-smi reads while fn's CUDA graph replays for
+    `seconds`, the first quarter second dropped, and fn's milliseconds a call over that time."""
+    graph = _graph_of(fn, 20)
+    graph.replay()
+    torch.cuda.synchronize()
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                            "-lms", "20"], stdout=subprocess.PIPE, text=True)
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        for _ in range(10):
+            graph.replay()
+        calls += 200
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    smi.terminate()
+    rows = [line.split(",") for line in smi.communicate()[0].splitlines() if line.count(",") == 1]
+    rows = rows[len(rows) // 8:]
+    clock = sorted(float(c) for c, _ in rows)[len(rows) // 2] if rows else float("nan")
+    power = sorted(float(w) for _, w in rows)[len(rows) // 2] if rows else float("nan")
+    return f"{clock:.0f} MHz, {power:.0f} W, {elapsed * 1e3 / calls:.3f} ms a call ({len(rows)} samples)"
+
+
+def clocks() -> None:
+    from lockstep.kernels._triton import logp as L
+
+    K.set_backend("triton")
+    h, w, tgt = _inputs(256)
+    print(f"idle: {subprocess.run(['nvidia-smi', '--query-gpu=clocks.sm,clocks.max.sm,power.limit', '--format=csv'], capture_output=True, text=True).stdout.strip()}")
+    with K.skipping_value_checks():
+        print(f"bare GEMM T=256: {_under_load(lambda: h @ w.t())}", flush=True)
+        print(f"bare GEMM T=128: {_under_load(lambda: h[:128] @ w.t())}", flush=True)
+        print(f"linear_logp T=256 (table): {_under_load(lambda: K.linear_logp(h, w, tgt))}", flush=True)
+        saved = L.BLOCK_T_WARPS, L.MIN_WAVE_FILL
+        try:
+            L.BLOCK_T_WARPS, L.MIN_WAVE_FILL = {128: 8}, 0.0
+            print(f"linear_logp T=128, one row block (64 programs): "
+                  f"{_under_load(lambda: K.linear_logp(h[:128], w, tgt[:128]))}", flush=True)
+        finally:
+            L.BLOCK_T_WARPS, L.MIN_WAVE_FILL = saved
+
+
 def decode() -> None:
     from sweep_attention import paged_inputs
     from lockstep.kernels._triton import attention as A
@@ -93,11 +140,11 @@ def decode() -> None:
             a, b = paired_graph_ms(lambda: A._paged(*args), run)
             print(f"| {batch} x {context} | {p} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.3f} | "
                   f"{'same' if same else 'DIFFER'} |", flush=True)
-        del args
+        args = ref = None  # freed before the next shape
         torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
     what = sys.argv[1:] or ["logp", "decode"]
     for name in what:
-        {"logp": logp, "decode": decode}[name]()
+        {"logp": logp, "decode": decode, "clocks": clocks}[name]()
