@@ -5,6 +5,8 @@ reports the ratio; absolute times are printed only next to their ratio.
 """
 from __future__ import annotations
 
+import math
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,51 @@ def emit(lines: list[str], out: str | Path | None) -> str:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text)
     return text
+
+
+class PowerLog:
+    """The GPU's SM clock (MHz) and board power (W) as nvidia-smi samples them every `interval_ms`
+    while the `with` block runs; after it, `clock_mhz` and `power_w` are the medians of the samples
+    past the first eighth (the ramp-up), NaN where nvidia-smi is absent or sampled nothing (`error`
+    says which). A GPU at its power limit lowers its clock, and a kernel's speed there follows its
+    energy a step rather than its cycles (an H200 at 700 W runs GEMMs at 1.3-1.7 GHz, not 1.98):
+    results that may be power-bound report both figures beside the times."""
+
+    def __init__(self, interval_ms: int = 20, device: int = 0):
+        self.cmd = ["nvidia-smi", f"--id={device}", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                    f"-lms={interval_ms}"]
+        self.clock_mhz = self.power_w = math.nan
+        self.samples, self.error, self._proc = 0, None, None
+
+    def __enter__(self) -> "PowerLog":
+        try:
+            self._proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except FileNotFoundError:
+            self.error = "nvidia-smi not found"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        lines = self._proc.communicate()[0].splitlines()
+        rows = []
+        for line in lines[len(lines) // 8:]:  # in sampling order: the ramp-up dropped
+            try:
+                row = tuple(float(v) for v in line.split(","))
+            except ValueError:  # a "[N/A]" field, or a line cut short by the termination
+                continue
+            if len(row) == 2:
+                rows.append(row)
+        self.samples = len(rows)
+        if not rows:
+            self.error = "nvidia-smi sampled nothing"
+            return
+        self.clock_mhz = sorted(r[0] for r in rows)[len(rows) // 2]
+        self.power_w = sorted(r[1] for r in rows)[len(rows) // 2]
+
+    def summary(self) -> str:
+        return self.error or f"{self.clock_mhz:.0f} MHz, {self.power_w:.0f} W ({self.samples} samples)"
 
 
 @dataclass

@@ -12,6 +12,9 @@ runs in its own process (vLLM's batch-invariant switch is read at import): engin
 apart from the generation. Baselines at their best: vLLM 0.26's defaults (torch.compile + CUDA
 graphs FULL_AND_PIECEWISE, FlashAttention 3 on Hopper), gpu_memory_utilization 0.85 for every vLLM
 config. The native engine runs a shorter generation at the 8B shape (--native-new-8b) and says so.
+Each row also gives the GPU's median SM clock and board power over its timed generation
+(_harness.PowerLog): a config at the board's power limit runs at a lowered clock, so its speed
+follows its energy a token, and two hosts with different limits or cooling read differently.
 
 --profile-steps N (vLLM configs): after the timed generation, the same requests generate 1 token and
 then N tokens under torch.profiler, with vLLM's engine core in this process
@@ -31,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import emit
+from _harness import PowerLog, emit
 
 SHAPES = {
     "1.7b": dict(model="qwen3-1.7b", prompt=64, new=256, requests=128),
@@ -150,9 +153,11 @@ def run_vllm(config: str, shape: dict, out: dict, profile_steps: int = 0, profil
     # not inside the timing: an RL run pays it once in its first step.
     llm.generate(ps, [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=i, logprobs=0,
                                      detokenize=False) for i in range(len(ps))], use_tqdm=False)
-    t0 = time.perf_counter()
-    res = llm.generate(ps, params, use_tqdm=False)
-    out["gen_s"] = time.perf_counter() - t0
+    with PowerLog() as power:
+        t0 = time.perf_counter()
+        res = llm.generate(ps, params, use_tqdm=False)
+        out["gen_s"] = time.perf_counter() - t0
+    out["power"] = power.summary()
     out["tokens"] = sum(len(r.outputs[0].token_ids) for r in res)
     assert all(r.outputs[0].logprobs for r in res), "no logprobs returned"
     if config == "lockstep":  # evidence that lockstep's attention and logprob ran in the worker
@@ -166,7 +171,6 @@ def run_vllm(config: str, shape: dict, out: dict, profile_steps: int = 0, profil
 def run_native(shape: dict, out: dict, new_tokens: int) -> None:
     import torch
 
-    from lockstep.framework.models.ops import ALL_R, build_ops
     from lockstep.framework.models.qwen3 import Qwen3Config
     from lockstep.framework.rollout.base import SamplingParams
     from lockstep.framework.rollout.native import NativeRolloutEngine
@@ -186,10 +190,12 @@ def run_native(shape: dict, out: dict, new_tokens: int) -> None:
     ps = prompts(shape["requests"], shape["prompt"], cfg.vocab_size)
     engine.generate(ps, SamplingParams(temperature=1.0, max_new_tokens=4), [[i] for i in range(len(ps))])  # warm-up
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    ro = engine.generate(ps, sp, [[i] for i in range(len(ps))])
-    torch.cuda.synchronize()
-    out["gen_s"] = time.perf_counter() - t0
+    with PowerLog() as power:
+        t0 = time.perf_counter()
+        ro = engine.generate(ps, sp, [[i] for i in range(len(ps))])
+        torch.cuda.synchronize()
+        out["gen_s"] = time.perf_counter() - t0
+    out["power"] = power.summary()
     out["tokens"] = int(ro.response_lens.sum())
     out["new_tokens"] = new_tokens
 
@@ -258,21 +264,22 @@ def main() -> None:
             r["wall_s"] = time.perf_counter() - t0
             rows.append(r)
             print(json.dumps(r), flush=True)
-    lines = ["| shape | config | tokens | gen s | tok/s | vs stock | start-up s | note |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | config | tokens | gen s | tok/s | vs stock | start-up s | SM clock, power (median, generation) | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for shape in args.shapes.split(","):
         stock = next((r for r in rows if r["shape"] == shape and r["config"] == "stock" and "error" not in r), None)
         base = stock["tokens"] / stock["gen_s"] if stock else None
         for r in (r for r in rows if r["shape"] == shape):
             if "error" in r:
-                lines.append(f"| {shape} | {r['config']} | | | | | | {r['error'][:120]} |")
+                lines.append(f"| {shape} | {r['config']} | | | | | | | {r['error'][:120]} |")
                 continue
             tps = r["tokens"] / r["gen_s"]
             note = r.get("note", "")
             if r.get("new_tokens") not in (None, SHAPES[shape]["new"]):
                 note += f" {r['new_tokens']} new tokens per request"
-            lines.append(f"| {shape} | {r['config']} | {r['tokens']} | {r['gen_s']:.2f} | {tps:,.0f} | "
-                         f"{tps / base:.3f} | {r['startup_s']:.0f} | {note} |" if base else
-                         f"| {shape} | {r['config']} | {r['tokens']} | {r['gen_s']:.2f} | {tps:,.0f} | | {r['startup_s']:.0f} | {note} |")
+            vs = f"{tps / base:.3f}" if base else ""
+            lines.append(f"| {shape} | {r['config']} | {r['tokens']} | {r['gen_s']:.2f} | {tps:,.0f} | {vs} | "
+                         f"{r['startup_s']:.0f} | {r.get('power', '')} | {note} |")
     emit(lines, args.out)
 
 

@@ -8,9 +8,10 @@ from DRAM twice, the forward is bound by 2 x 1.24 GB of weight traffic. The prob
 process: the weight's DRAM copy rate, the bare GEMM at T = 128 and 256, the forward at T = 256, and
 the forward at T = 128 in one 128-row block (64 programs, every weight row read once): if a program
 of the latter runs as long as one of the former, the doubled traffic is not what binds.
-clocks: the SM clock and board power (nvidia-smi, sampled every 20 ms) while each of the bare GEMM
-and the forward at T = 256, and the forward at T = 128 in one row block, is replayed for two
-seconds: whether a full machine runs the same programs at a lower clock than half of it does.
+clocks: the SM clock and board power (nvidia-smi, sampled every 20 ms) while each of these is
+replayed for two seconds: the bare GEMM and the forward at T = 256, the forward at T = 128 in one
+row block; o_proj's tree at M = 1,024 and cuBLAS; decode at batch 1 and 256 x 4k keys and cuDNN.
+Whether a kernel runs at the board's power limit (then its speed is its energy a step) or below it.
 decode: programs per (sequence, kv head) forced to 1-4 (or 4-8) at the decode table's larger
 batches, against the table's own choice, in paired CUDA-graph turns.
 
@@ -33,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _harness import _graph_of, measure, paired_graph_ms  # noqa: E402
+from _harness import PowerLog, _graph_of, measure, paired_graph_ms  # noqa: E402
 from bench_logp import HIDDEN, VOCAB, _inputs, fwd_ms, fwd_pair_ms  # noqa: E402
 import lockstep.kernels as K  # noqa: E402
 from lockstep.kernels._triton._device import resident_programs  # noqa: E402
@@ -71,35 +72,32 @@ def logp() -> None:
 
 
 def _under_load(fn, seconds: float = 2.0) -> str:
-    """Median SM clock (MHz) and board power (W) nvidia-smi reads while fn's CUDA graph replays for
-    `seconds`, the first quarter second dropped, and fn's milliseconds a call over that time."""
+    """The median SM clock and board power (_harness.PowerLog) while fn's CUDA graph replays for
+    `seconds`, and fn's milliseconds a call over that time."""
     graph = _graph_of(fn, 20)
     graph.replay()
     torch.cuda.synchronize()
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                            "-lms", "20"], stdout=subprocess.PIPE, text=True)
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
-        for _ in range(10):
-            graph.replay()
-        calls += 200
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    smi.terminate()
-    rows = [line.split(",") for line in smi.communicate()[0].splitlines() if line.count(",") == 1]
-    rows = rows[len(rows) // 8:]
-    clock = sorted(float(c) for c, _ in rows)[len(rows) // 2] if rows else float("nan")
-    power = sorted(float(w) for _, w in rows)[len(rows) // 2] if rows else float("nan")
-    return f"{clock:.0f} MHz, {power:.0f} W, {elapsed * 1e3 / calls:.3f} ms a call ({len(rows)} samples)"
+    with PowerLog() as power:
+        start, calls = time.perf_counter(), 0
+        while time.perf_counter() - start < seconds:
+            for _ in range(10):
+                graph.replay()
+            calls += 200
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    return f"{power.summary()}, {elapsed * 1e3 / calls:.3f} ms a call"
 
 
 def clocks() -> None:
+    from bench_attention import DTYPE, HEAD_DIM, HEADS, KV_HEADS, SCALE, _paged_cache, _randn, sdpa
+    from torch.nn.attention import SDPBackend
     from lockstep.kernels._triton import logp as L
 
     K.set_backend("triton")
-    h, w, tgt = _inputs(256)
-    print(f"idle: {subprocess.run(['nvidia-smi', '--query-gpu=clocks.sm,clocks.max.sm,power.limit', '--format=csv'], capture_output=True, text=True).stdout.strip()}")
+    print(subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit", "--format=csv"],
+                         capture_output=True, text=True).stdout.strip(), flush=True)
     with K.skipping_value_checks():
+        h, w, tgt = _inputs(256)
         print(f"bare GEMM T=256: {_under_load(lambda: h @ w.t())}", flush=True)
         print(f"bare GEMM T=128: {_under_load(lambda: h[:128] @ w.t())}", flush=True)
         print(f"linear_logp T=256 (table): {_under_load(lambda: K.linear_logp(h, w, tgt))}", flush=True)
@@ -110,6 +108,28 @@ def clocks() -> None:
                   f"{_under_load(lambda: K.linear_logp(h[:128], w, tgt[:128]))}", flush=True)
         finally:
             L.BLOCK_T_WARPS, L.MIN_WAVE_FILL = saved
+        h = w = tgt = None
+        # done-means 1's miss: o_proj's tree at M = 1,024
+        x = torch.randn(1024, 4096, device="cuda", dtype=DTYPE)
+        wo = (torch.randn(4096, 4096, device="cuda") / 64).to(DTYPE)
+        print(f"o_proj M=1024 cuBLAS: {_under_load(lambda: x @ wo.t())}", flush=True)
+        print(f"o_proj M=1024 tree: {_under_load(lambda: K.row_parallel_linear(x, wo))}", flush=True)
+        # done-means 2's decode: batch 1 and 256 at 4k keys, against cuDNN on a contiguous cache
+        for batch in (1, 256):
+            q = _randn(batch, HEADS, HEAD_DIM)
+            k_cache, v_cache, table = _paged_cache(batch, 4096)
+            lens = torch.full((batch,), 4096, device="cuda", dtype=torch.int32)
+            qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+            print(f"decode {batch} x 4096 lockstep: "
+                  f"{_under_load(lambda: K.paged_attention(q, k_cache, v_cache, table, lens, qsl, SCALE, 1, 4096))}",
+                  flush=True)
+            k_cache = v_cache = None
+            qb, kb, vb = q.view(batch, HEADS, 1, HEAD_DIM), _randn(batch, KV_HEADS, 4096, HEAD_DIM), \
+                _randn(batch, KV_HEADS, 4096, HEAD_DIM)
+            print(f"decode {batch} x 4096 cuDNN: {_under_load(lambda: sdpa(SDPBackend.CUDNN_ATTENTION, qb, kb, vb, False))}",
+                  flush=True)
+            q = qb = kb = vb = None
+            torch.cuda.empty_cache()
 
 
 def decode() -> None:

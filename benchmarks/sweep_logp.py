@@ -22,23 +22,19 @@ from bench_logp import SUPPORT_TOKENS, SUPPORT_WIDTHS, fwd_pair_ms
 import lockstep.kernels as K
 from lockstep.kernels._triton import logp as triton_logp
 
-# (label, the Gluon forward's stages or 0 for the tl kernel, WS_WIDE, WS_BLOCK_K, WS_PINGPONG); the
-# first: the tl kernel (its row block per T _block_t's).
+# (label, the Gluon forward's stages or 0 for the tl kernel); the first: the tl kernel (its row block
+# per T _block_t's). The schedules measured on the way to the Gluon kernel's (one tile a step; each
+# step's wgmmas waited for) are in benchmarks/RESULTS.md, eleventh session.
 CANDIDATES = [
-    ("tl kernel", 0, False, 64, 0),
-    ("Gluon n256, 4 stages of k64", 4, True, 64, 0),
-    ("Gluon n256, 4 stages of k64, ping-pong 2", 4, True, 64, 2),
-    ("Gluon n256, 8 stages of k32", 8, True, 32, 0),
-    ("Gluon n256, 8 stages of k32, ping-pong 4", 8, True, 32, 4),
-    ("Gluon n256, 6 stages of k32, ping-pong 2", 6, True, 32, 2),
-    ("Gluon two n128, 4 stages of k64", 4, False, 64, 0),
+    ("tl kernel", 0),
+    ("Gluon, 4 stages", 4),
+    ("Gluon, 3 stages", 3),
 ]
 H, V = 4096, 151936
 
 
-def _use(ws_stages, wide, block_k, pingpong) -> None:
+def _use(ws_stages) -> None:
     triton_logp.WS_FORWARD, triton_logp.WS_STAGES = ws_stages > 0, ws_stages or triton_logp.WS_STAGES
-    triton_logp.WS_WIDE, triton_logp.WS_BLOCK_K, triton_logp.WS_PINGPONG = wide, block_k, pingpong
     triton_logp.WS_MIN_ITEMS_PER_PROGRAM = 0  # a Gluon candidate runs at every T
 
 

@@ -105,15 +105,6 @@ GROUP_T = 16
 # against 1.172x. False: the tl kernel everywhere.
 WS_FORWARD = True
 WS_STAGES = 4  # 4 x 48 KiB of rows and two weight tiles
-# A step's two tiles as one m64n256 wgmma (True) or two m64n128 ones (False): a wgmma reads its A
-# rows from shared memory once per instruction, so one n256 reads 10 KiB per k16 where two n128
-# read 12 KiB, and the ring's TMA writes share the SM's 128 B a clock of shared-memory bandwidth.
-WS_WIDE = True
-# The second consumer starts this many ring steps after the first (0: together), so that one folds
-# its tiles while the other multiplies (one warpgroup's n256 wgmmas fill the SM's tensor cores).
-WS_PINGPONG = 0
-# hidden features a ring step (the K steps of the wgmmas stay k16, in increasing k: bits unchanged)
-WS_BLOCK_K = 64
 # ... and only where its persistent programs get at least this many (row block, chunk) items each:
 # T = 256 (128 items, one a program) ran 1.165x / 1.174x against the tl kernel's 1.122x / 1.129x.
 WS_MIN_ITEMS_PER_PROGRAM = 2
@@ -343,10 +334,6 @@ def _store_states(m_ptr, s_ptr, ent_ptr, tz_ptr, m, s, w, tz, rows, row_ok, targ
 WS_BLOCK_V = 128
 _WS_ACC_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, WS_BLOCK_V, 16]))
-# WS_WIDE: one [64, 256] accumulator, whose two 128-column halves are _WS_ACC_LAYOUT tiles (the
-# column's top bit is a register of the thread's, so splitting it moves no value).
-_WS_WIDE_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, 2 * WS_BLOCK_V, 16]))
 # The tree's last three levels pair columns that the accumulator spreads over the four threads (a
 # quad) holding a row: the last eight partial sums of every row go to each thread of its quad first
 # (as in the accumulator, a thread holds rows r and r + 8, a warp 16 rows), as Triton's tl kernel
@@ -374,33 +361,11 @@ def _ws_tree_sum(x, LOG2_N: gl.constexpr):
 
 
 @gluon.jit
-def _ws_column_halves(acc):
-    """acc [R, 2C] in _WS_WIDE_LAYOUT -> (acc[:, :C], acc[:, C:]) in _WS_ACC_LAYOUT, no data moved."""
-    x = gl.permute(gl.reshape(acc, [acc.shape[0], 2, acc.shape[1] // 2]), (0, 2, 1))
-    first, second = gl.split(x)
-    return (gl.convert_layout(first, _WS_ACC_LAYOUT, assert_trivial=True),
-            gl.convert_layout(second, _WS_ACC_LAYOUT, assert_trivial=True))
-
-
-@gluon.jit
-def _ws_lead(lead, t, ROW_HALF: gl.constexpr, PINGPONG: gl.constexpr, FINAL: gl.constexpr = False):
-    """WS_PINGPONG: the first consumer lets the second start once it has taken PINGPONG ring steps
-    (FINAL: at its end, if it never took that many)."""
-    if PINGPONG > 0:
-        if ROW_HALF == 0:
-            if FINAL:
-                mbarrier.arrive(lead, count=1, pred=t < PINGPONG)
-            else:
-                mbarrier.arrive(lead, count=1, pred=t == PINGPONG)
-
-
-@gluon.jit
-def _ws_producer(h_desc, w_desc, h0_smem, h1_smem, w_smem, ready, empty, my_items, pid, num_programs,
+def _ws_producer(h_desc, w_desc, h0_smem, h1_smem, wa_smem, wb_smem, ready, empty, my_items, pid, num_programs,
                  n_row_blocks, n_chunks, width, V_local, H, GROUP_T: gl.constexpr, STAGES: gl.constexpr):
     """Every (item, pair of tiles, k step) of the program in order: the TMA loads of the row block's
     two 64-row halves and of two tiles' weight rows (a chunk's odd last tile: its own only) into a
-    STAGES-deep ring (a slot's weight rows: the two tiles' one after the other), waiting only for a
-    free slot."""
+    STAGES-deep ring, waiting only for a free slot."""
     HALF_ROWS: gl.constexpr = h_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = h_desc.block_type.shape[1]
     BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
@@ -421,9 +386,8 @@ def _ws_producer(h_desc, w_desc, h0_smem, h1_smem, w_smem, ready, empty, my_item
                 tma.async_copy_global_to_shared(h_desc, [row_block * 2 * HALF_ROWS, k], bar, h0_smem.index(s))
                 tma.async_copy_global_to_shared(h_desc, [row_block * 2 * HALF_ROWS + HALF_ROWS, k], bar,
                                                 h1_smem.index(s))
-                tma.async_copy_global_to_shared(w_desc, [c0, k], bar, w_smem.index(s).slice(0, BLOCK_V))
-                tma.async_copy_global_to_shared(w_desc, [c0 + BLOCK_V, k], bar, w_smem.index(s).slice(BLOCK_V, BLOCK_V),
-                                                pred=pair)
+                tma.async_copy_global_to_shared(w_desc, [c0, k], bar, wa_smem.index(s))
+                tma.async_copy_global_to_shared(w_desc, [c0 + BLOCK_V, k], bar, wb_smem.index(s), pred=pair)
                 t += 1
 
 
@@ -438,20 +402,19 @@ def _ws_fold(acc, c0, m, s, w, tz, b_ptr, inv_temp, target, hi, V_local, vocab_s
 
 
 @gluon.jit
-def _ws_consumer(h_smem, w_smem, ready, empty, lead, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr, T,
+def _ws_consumer(h_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr, T,
                  H, V_local, n_chunks, width, vocab_start, real_vocab_size, my_items, pid, num_programs, n_row_blocks,
                  ROW_HALF: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_TEMP: gl.constexpr, WITH_ENTROPY: gl.constexpr,
                  LOG2_V: gl.constexpr, GROUP_T: gl.constexpr, STAGES: gl.constexpr, HALF_ROWS: gl.constexpr,
-                 BLOCK_V: gl.constexpr, BLOCK_K: gl.constexpr, WIDE: gl.constexpr, PINGPONG: gl.constexpr):
+                 BLOCK_V: gl.constexpr, BLOCK_K: gl.constexpr):
     """Rows ROW_HALF * HALF_ROWS .. + HALF_ROWS of every item, two tiles at a time (a chunk's odd
-    last tile alone): the products in ascending k from a zero accumulator (tl.dot's), per step one
-    wgmma of both tiles (WIDE) or one a tile, a step's wgmmas in flight while the next step's are
-    issued (its slot freed one step later); then the tiles folded in column order (_ws_fold) and
-    the states stored (_store_states)."""
+    last tile alone): the products in ascending k, one wgmma per tile and step from a zero
+    accumulator (tl.dot's), a step's wgmmas in flight while the next step's are issued (its slot
+    freed one step later); then the tiles folded in column order (_ws_fold) and the states stored
+    (_store_states)."""
     row_layout: gl.constexpr = gl.SliceLayout(1, _WS_ACC_LAYOUT)
-    if PINGPONG > 0:
-        if ROW_HALF == 1:
-            mbarrier.wait(lead, 0)
+    acc_a = gl.zeros([HALF_ROWS, BLOCK_V], gl.float32, _WS_ACC_LAYOUT)
+    acc_b = gl.zeros([HALF_ROWS, BLOCK_V], gl.float32, _WS_ACC_LAYOUT)
     t = 0
     for local in range(my_items):
         row_block, chunk = grouped_tile(pid + local * num_programs, n_row_blocks, n_chunks, GROUP_T)
@@ -466,57 +429,37 @@ def _ws_consumer(h_smem, w_smem, ready, empty, lead, b_ptr, temp_ptr, tgt_ptr, m
         tz = gl.zeros([HALF_ROWS], gl.float32, row_layout)
         for c0 in range(lo, hi, 2 * BLOCK_V):  # the chunk's tiles in increasing column order
             if c0 + BLOCK_V < hi:
-                if WIDE:
-                    acc = gl.zeros([HALF_ROWS, 2 * BLOCK_V], gl.float32, _WS_WIDE_LAYOUT)
-                    for k in range(0, H, BLOCK_K):
-                        st = t % STAGES
-                        mbarrier.wait(ready.index(st), (t // STAGES) & 1)
-                        acc = warpgroup_mma(h_smem.index(st), w_smem.index(st).permute((1, 0)), acc, use_acc=k > 0,
-                                            is_async=True)
-                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=k > 0)
-                        t += 1
-                        _ws_lead(lead, t, ROW_HALF, PINGPONG)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    acc_a, acc_b = _ws_column_halves(acc)
-                else:
-                    acc_a = gl.zeros([HALF_ROWS, BLOCK_V], gl.float32, _WS_ACC_LAYOUT)
-                    acc_b = gl.zeros([HALF_ROWS, BLOCK_V], gl.float32, _WS_ACC_LAYOUT)
-                    for k in range(0, H, BLOCK_K):
-                        st = t % STAGES
-                        mbarrier.wait(ready.index(st), (t // STAGES) & 1)
-                        acc_a = warpgroup_mma(h_smem.index(st), w_smem.index(st).slice(0, BLOCK_V).permute((1, 0)),
-                                              acc_a, use_acc=k > 0, is_async=True)
-                        acc_b = warpgroup_mma(h_smem.index(st), w_smem.index(st).slice(BLOCK_V, BLOCK_V).permute((1, 0)),
-                                              acc_b, use_acc=k > 0, is_async=True)
-                        acc_a, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=(acc_a, acc_b))
-                        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=k > 0)
-                        t += 1
-                        _ws_lead(lead, t, ROW_HALF, PINGPONG)
-                    acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
+                for k in range(0, H, BLOCK_K):
+                    st = t % STAGES
+                    mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+                    acc_a = warpgroup_mma(h_smem.index(st), wa_smem.index(st).permute((1, 0)), acc_a, use_acc=k > 0,
+                                          is_async=True)
+                    acc_b = warpgroup_mma(h_smem.index(st), wb_smem.index(st).permute((1, 0)), acc_b, use_acc=k > 0,
+                                          is_async=True)
+                    acc_a, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=(acc_a, acc_b))
+                    mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=k > 0)
+                    t += 1
+                acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
                 mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
                 m, s, w, tz = _ws_fold(acc_a, c0, m, s, w, tz, b_ptr, inv_temp, target, hi, V_local, vocab_start,
                                        real_vocab_size, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V)
                 m, s, w, tz = _ws_fold(acc_b, c0 + BLOCK_V, m, s, w, tz, b_ptr, inv_temp, target, hi, V_local,
                                        vocab_start, real_vocab_size, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V)
             else:
-                last = gl.zeros([HALF_ROWS, BLOCK_V], gl.float32, _WS_ACC_LAYOUT)
                 for k in range(0, H, BLOCK_K):
                     st = t % STAGES
                     mbarrier.wait(ready.index(st), (t // STAGES) & 1)
-                    last = warpgroup_mma(h_smem.index(st), w_smem.index(st).slice(0, BLOCK_V).permute((1, 0)), last,
-                                         use_acc=k > 0, is_async=True)
-                    last = warpgroup_mma_wait(num_outstanding=1, deps=(last,))
+                    acc_a = warpgroup_mma(h_smem.index(st), wa_smem.index(st).permute((1, 0)), acc_a, use_acc=k > 0,
+                                          is_async=True)
+                    acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
                     mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=k > 0)
                     t += 1
-                    _ws_lead(lead, t, ROW_HALF, PINGPONG)
-                last = warpgroup_mma_wait(num_outstanding=0, deps=(last,))
+                acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
                 mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
-                m, s, w, tz = _ws_fold(last, c0, m, s, w, tz, b_ptr, inv_temp, target, hi, V_local, vocab_start,
+                m, s, w, tz = _ws_fold(acc_a, c0, m, s, w, tz, b_ptr, inv_temp, target, hi, V_local, vocab_start,
                                        real_vocab_size, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V)
         _store_states(m_ptr, s_ptr, ent_ptr, tz_ptr, m, s, w, tz, rows, row_ok, target, chunk, n_chunks, lo, hi,
                       V_local, WITH_ENTROPY)
-    _ws_lead(lead, t, ROW_HALF, PINGPONG, FINAL=True)
 
 
 # T and vocab_start are not specialised, as in _chunk_states_kernel.
@@ -524,8 +467,7 @@ def _ws_consumer(h_smem, w_smem, ready, empty, lead, b_ptr, temp_ptr, tgt_ptr, m
 def _chunk_states_ws_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr, tz_ptr, T, H, V_local,
                             n_chunks, width, vocab_start, real_vocab_size, num_programs, HAS_BIAS: gl.constexpr,
                             HAS_TEMP: gl.constexpr, WITH_ENTROPY: gl.constexpr, LOG2_V: gl.constexpr,
-                            GROUP_T: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr,
-                            PINGPONG: gl.constexpr):
+                            GROUP_T: gl.constexpr, STAGES: gl.constexpr):
     """_chunk_states_kernel's forward at 128-row blocks, warp-specialised (see WS_FORWARD): a
     producer warp and two consumer warpgroups of 64 rows, persistent over (row block, chunk) items."""
     HALF_ROWS: gl.constexpr = h_desc.block_type.shape[0]
@@ -536,25 +478,23 @@ def _chunk_states_ws_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_p
     my_items = (n_row_blocks * n_chunks - pid + num_programs - 1) // num_programs
     h0_smem = gl.allocate_shared_memory(h_desc.dtype, [STAGES, HALF_ROWS, BLOCK_K], h_desc.layout)
     h1_smem = gl.allocate_shared_memory(h_desc.dtype, [STAGES, HALF_ROWS, BLOCK_K], h_desc.layout)
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 2 * BLOCK_V, BLOCK_K], w_desc.layout)
+    wa_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_V, BLOCK_K], w_desc.layout)
+    wb_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_V, BLOCK_K], w_desc.layout)
     ready, empty = ring_barriers(STAGES)
-    lead = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(lead, count=1)
     # (the argument tuples are written out in the call: a tuple variable loses their constexprs)
     gl.warp_specialize([
-        (_ws_consumer, (h0_smem, w_smem, ready, empty, lead, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr,
+        (_ws_consumer, (h0_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr,
                         tz_ptr, T, H, V_local, n_chunks, width, vocab_start, real_vocab_size, my_items, pid,
                         num_programs, n_row_blocks, 0, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V, GROUP_T, STAGES,
-                        HALF_ROWS, BLOCK_V, BLOCK_K, WIDE, PINGPONG)),
-        (_ws_consumer, (h1_smem, w_smem, ready, empty, lead, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr,
+                        HALF_ROWS, BLOCK_V, BLOCK_K)),
+        (_ws_consumer, (h1_smem, wa_smem, wb_smem, ready, empty, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr, ent_ptr,
                         tz_ptr, T, H, V_local, n_chunks, width, vocab_start, real_vocab_size, my_items, pid,
                         num_programs, n_row_blocks, 1, HAS_BIAS, HAS_TEMP, WITH_ENTROPY, LOG2_V, GROUP_T, STAGES,
-                        HALF_ROWS, BLOCK_V, BLOCK_K, WIDE, PINGPONG)),
-        (_ws_producer, (h_desc, w_desc, h0_smem, h1_smem, w_smem, ready, empty, my_items, pid,
+                        HALF_ROWS, BLOCK_V, BLOCK_K)),
+        (_ws_producer, (h_desc, w_desc, h0_smem, h1_smem, wa_smem, wb_smem, ready, empty, my_items, pid,
                         num_programs, n_row_blocks, n_chunks, width, V_local, H, GROUP_T, STAGES)),
     ], [4, 1], [WS_CONSUMER_REGISTERS, WS_PRODUCER_REGISTERS])
     invalidate_ring(ready, empty, STAGES)
-    mbarrier.invalidate(lead)
 
 
 @triton.jit
@@ -764,7 +704,7 @@ def _launch_ws(hidden, weight, args: dict, n_chunks: int, **outputs) -> None:
     if args["BLOCK_V"] != WS_BLOCK_V:
         raise ValueError(f"TILE_CONFIGS: the warp-specialised forward folds {WS_BLOCK_V}-column tiles (one wgmma "
                          f"accumulator), got block_v={args['BLOCK_V']}; set WS_FORWARD = False to run another")
-    block_k = WS_BLOCK_K
+    block_k = args["BLOCK_K"]
     shared = WS_STAGES * (2 * HALF + 2 * WS_BLOCK_V) * block_k * hidden.element_size()
     if shared > SHARED_BYTES:
         raise ValueError(f"WS_STAGES = {WS_STAGES}: the ring's {shared} bytes exceed the {SHARED_BYTES} bytes of "
@@ -774,7 +714,7 @@ def _launch_ws(hidden, weight, args: dict, n_chunks: int, **outputs) -> None:
     kernel_args = {k: v for k, v in args.items() if k not in ("UPCAST", "BLOCK_V", "BLOCK_K", "num_stages")}
     _chunk_states_ws_kernel[(programs,)](
         gluon_descriptor(hidden, [HALF, block_k]), gluon_descriptor(weight, [WS_BLOCK_V, block_k]), **kernel_args,
-        **outputs, num_programs=programs, STAGES=WS_STAGES, WIDE=WS_WIDE, PINGPONG=WS_PINGPONG, num_warps=4)
+        **outputs, num_programs=programs, STAGES=WS_STAGES, num_warps=4)
 
 
 def _head_logits(hidden, weight, width):
