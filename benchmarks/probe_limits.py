@@ -1,4 +1,4 @@
-"""What limits two of issue 15's misses, measured (CUDA only; speed only, every variant's bits checked).
+"""What limits issue 15's misses, measured (CUDA only; speed only, every variant's bits checked).
 
     python benchmarks/probe_limits.py [logp] [decode] [clocks]
 
@@ -21,7 +21,10 @@ forward (a counter per chunk every 4-16 k steps) did not move T = 256 (0.560-0.5
 0.566 unpaced): either the doubled reads are not what binds (a full machine's clocks or L2 may be),
 or pacing did not make them shared (no profiler on the host to tell). Decode:
 three programs a pair at batch 64 read 1.03x / 1.08x the table's one at 4k / 16k keys; two or four
-at batch 256 0.88-0.91x.
+at batch 256 0.88-0.91x. Clocks (twenty-second session): the clock it was. The forward and the
+GEMM at T = 256 both run at the 700 W limit at 1,380 MHz, and one row block alone at 1,725 MHz;
+a program takes about 0.79 M cycles either way. o_proj's tree at 1,024 sits below the limit with
+1.29x cuBLAS's cycles, and decode at batch 1 runs at full clock far below it.
 """
 from __future__ import annotations
 
