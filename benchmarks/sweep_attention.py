@@ -1,7 +1,7 @@
 """Tuning sweep for the Triton attention kernels on the GPU at hand (bf16, Qwen3-8B heads).
 
     python benchmarks/sweep_attention.py [--entries decode,prefill,prefill_linear,bwd_dkdv,bwd_dq]
-                                         [--train-seqs N] [--decode-cases BxC,...] [--only KEY=VALUE]
+                                         [--train-seqs N] [--decode-cases BxC,...] [--only KEY=VALUE[|VALUE...]]
 
 Decode (one query per request, 16-token pages in random order) at the rollout workload's shape
 (batch 128, 600 keys) and at the decode table's corners (or --decode-cases), a 4k-token prefill (paged), and training's
@@ -70,7 +70,10 @@ CANDIDATES = {
     + [dict(SWAP=True, num_stages=3, PREFETCH=True, PROGRAMS_PER_SM=4)]
     # more programs a (sequence, kv head) than one wave at batch 64 and 256 (a pair's chunks split over
     # 2-16 programs): whole waves against the last wave part full
-    + [dict(SWAP=True, num_stages=2, PREFETCH=False, PROGRAMS_PER_SM=n) for n in (8, 12, 16, 32, 64)],
+    + [dict(SWAP=True, num_stages=2, PREFETCH=False, PROGRAMS_PER_SM=n) for n in (8, 12, 16, 32, 64)]
+    # deeper rings: at small batch a program walks few chunks of 4 blocks, each chunk's loop pipelined
+    # on its own, so the loads a program has in flight bound its chain (and an SM has room to spare)
+    + [dict(SWAP=True, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (4, 5, 6) for n in (1, 2, 3)],
 }
 
 
@@ -157,13 +160,15 @@ def main() -> None:
     p.add_argument("--train-seqs", type=int, default=4, help="4,096-token sequences of the training case")
     p.add_argument("--decode-cases", default=",".join(f"{b}x{c}" for b, c in DECODE),
                    help="decode shapes BATCHxCONTEXT, comma-separated")
-    p.add_argument("--only", default="", help="KEY=VALUE: only the candidates whose KEY is VALUE (e.g. GLUON=True)")
+    p.add_argument("--only", action="append", default=[], help="KEY=VALUE: only the candidates whose KEY is VALUE "
+                                                                 "(e.g. GLUON=True; VALUE|VALUE|...: any of these); "
+                                                                 "repeated: all of them")
     args = p.parse_args()
     entries, train_seqs = args.entries.split(","), args.train_seqs
-    if args.only:
-        key, value = args.only.split("=", 1)
+    for only in args.only:
+        key, value = only.split("=", 1)
         for entry in CANDIDATES:
-            CANDIDATES[entry] = [c for c in CANDIDATES[entry] if str(c.get(key)) == value]
+            CANDIDATES[entry] = [c for c in CANDIDATES[entry] if str(c.get(key)) in value.split("|")]
     unknown = set(entries) - set(CANDIDATES)
     if unknown:
         raise SystemExit(f"sweep_attention: no candidates for {sorted(unknown)}; entries: {sorted(CANDIDATES)}")

@@ -103,6 +103,8 @@ def main() -> None:
     p.add_argument("--whole-only", action="store_true", help="only whole-tree (split 1) candidates, at every M")
     p.add_argument("--gluon-only", action="store_true", help="only the Gluon tree's candidates, at every M")
     p.add_argument("--tma-only", action="store_true", help="with --gluon-only: only the TMA-store candidates")
+    p.add_argument("--match", help="only the candidates whose key (as printed) contains one of these comma-separated "
+                                   "strings")
     p.add_argument("--swapped-only", action="store_true",
                    help="only the swapped split candidates (the M <= 64 bucket's kind: the tl kernel's best "
                         "64-row tile and the Gluon ones), at every M")
@@ -138,6 +140,8 @@ def main() -> None:
                        split or "auto", *((f"{cfg.steps_per_stage}steps",) if cfg.steps_per_stage > 1 else ()),
                        *((f"{cfg.accumulators}acc",) if cfg.accumulators > 1 else ()),
                        *(("tma",) if cfg.tma_store else ()))
+                if args.match and not any(part in str(key) for part in args.match.split(",")):
+                    continue
                 fn = lambda: row_tree(x, w, chunk, x.dtype, split=split, config=cfg)  # noqa: E731
                 try:
                     got = fn()

@@ -336,6 +336,19 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
         assert torch.equal(got[0, 0], K.varlen_attention(q, k, v, cu)[n - 1]), n
 
 
+def test_decode_walk_takes_its_deep_ring_only_where_that_costs_no_wave():
+    """The one-program decode walk's ring (TUNING["decode"]["WALK_STAGES"], WALK_PER_SM programs an
+    SM) against the table's (PROGRAMS_PER_SM an SM): on an H200's 132 SMs at Qwen3-8B's 8 kv heads,
+    only batches whose walks fit the same number of waves take it (25-33 and 50-66 among those that
+    walk: below 25 a sequence's chunks split across programs)."""
+    from lockstep.kernels._triton import attention as A
+
+    cfg = A.TUNING["decode"]
+    assert (cfg["PROGRAMS_PER_SM"], cfg["WALK_PER_SM"]) == (3, 2)
+    assert [b for b in range(1, 400) if A._walk_fits(b * 8, 132, cfg)] == [*range(1, 34), *range(50, 67)]
+    assert not A._walk_fits(512, 132, {**cfg, "WALK_PER_SM": 1})  # 4 waves of one against 2 of three
+
+
 _MMA_PROBE = r"""
 import json
 from sm90 import compile_sm90
@@ -383,10 +396,11 @@ dq = compile_sm90(A._bwd_dq_kernel, lambda n: f"tensordesc<bf16[{cfg['BLOCK_KV']
 dq_gluon = compile_sm90(A._bwd_dq_ws_kernel, lambda n: "i32" if n in WS_INTS else bwd_types(n),
                         dict(GROUP=4, D=128, BLOCK_KV=cfg["BLOCK_KV"], STAGES=cfg["GLUON_STAGES"]), 4, 1)
 cfg = A.TUNING["decode"]
-decode = {f"{'swapped' if swap else 'padded'}{' in registers' if r else ''}":
+decode = {f"{'swapped' if swap else 'padded'}{' in registers' if r else ''}{' deep' if deep else ''}":
           compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=16 if swap else cfg["MIN_ROWS"], MERGE_ROWS=4,
                        IN_REGISTERS=r, FROM_LENS=True, PREFETCH=cfg["PREFETCH"], SWAP=swap, **common),
-                       cfg["num_warps"], cfg["num_stages"]) for swap in (True, False) for r in (False, True)}
+                       cfg["num_warps"], cfg["WALK_STAGES" if deep else "num_stages"])
+          for swap in (True, False) for r in (False, True) for deep in ((False, True) if swap and r else (False,))}
 print(json.dumps([prefill, linear, gluon, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, decode]))
 """
 
@@ -421,9 +435,16 @@ def test_decode_and_prefill_multiply_with_wgmma():
         assert d["spill_bytes"] == 0, (name, d)
     for name in ("padded", "padded in registers"):
         assert decode[name]["mma"] == prefill["mma"], f"prefill MMAs {prefill['mma']} != decode ({name}) {decode[name]['mma']}"
-    for name in ("swapped", "swapped in registers"):
+    for name in ("swapped", "swapped in registers", "swapped in registers deep"):
         assert decode[name]["mma"] == [["3", "[16, 16, 16]"]], (name, decode[name])
         assert decode[name]["regs"] <= 160, (name, decode[name])
+    # the programs an SM that the decode grid and the walk's ring rule count on are what fits
+    from lockstep.kernels._triton import attention as A
+
+    cfg, per_block = A.TUNING["decode"], 227 * 1024
+    assert per_block // decode["swapped"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode["swapped"]
+    assert per_block // decode["swapped in registers"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode
+    assert per_block // decode["swapped in registers deep"]["shared_bytes"] == cfg["WALK_PER_SM"], decode
     # the prefill tile holds the next block's K/V in registers (TUNING["prefill"]["PREFETCH"]): the
     # measured winner spills 8 bytes on packed sequences and 68 on the paged layout (probed here);
     # more would mean the table no longer fits the tile
@@ -586,15 +607,20 @@ def test_gpu_paged_prefill_takes_the_gluon_forward_with_the_training_bits(gpu_tr
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("swap", [True, False], ids=["swapped", "padded"])
-@pytest.mark.parametrize("per_sm", [16, 0], ids=["split", "one-program"])
-def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, per_sm):
+@pytest.mark.parametrize("per_sm,walk_stages", [(16, None), (0, None), (0, 2)],
+                         ids=["split", "one-program", "one-program-2-stages"])
+def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, per_sm, walk_stages):
     """Decode tiles at Qwen3-8B heads (bf16, head_dim 128, group 4), with the dots' operands swapped
     (the heads as wgmma's N side) or the heads padded to 64 rows, a sequence's chunks split across
-    programs (merged through memory) or walked by one program (merged in registers): each decoded
-    token's output equals its training output, bit for bit, at positions across blocks and chunks."""
+    programs (merged through memory) or walked by one program (merged in registers; its ring the
+    table's WALK_STAGES deep, as the ~50 x 8 walks here take it, or 2): each decoded token's output
+    equals its training output, bit for bit, at positions across blocks and chunks."""
     from lockstep.kernels._triton import attention as A
 
-    monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "SWAP": swap, "PROGRAMS_PER_SM": per_sm})
+    cfg = {**A.TUNING["decode"], "SWAP": swap, "PROGRAMS_PER_SM": per_sm}
+    if walk_stages is not None:
+        cfg["WALK_STAGES"] = walk_stages
+    monkeypatch.setitem(A.TUNING, "decode", cfg)
     assert A.decode_swapped(128) == swap
     lens = [3000, 1500, 700, 257, 64]  # 3,000 keys: 12 chunks, merged in two steps of _MERGE_AHEAD loads
     q, k, v, cu = _packed(lens, 32, 8, 128, torch.bfloat16, "cuda")
@@ -610,8 +636,10 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
     pos = torch.tensor([[p] for _, p in picks], device="cuda")
     # the grid: one wave of per_sm programs an SM, so 16 splits each of the ~50 x 8 (sequence, kv
     # head) pairs across programs (the split path), and 0 leaves one program each
-    split = per_sm * torch.cuda.get_device_properties(0).multi_processor_count // (len(picks) * 8) > 1
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    split = per_sm * sms // (len(picks) * 8) > 1
     assert split == (per_sm > 0), (per_sm, len(picks))
+    assert split or A._walk_fits(len(picks) * 8, sms, cfg), "the walk should take WALK_STAGES here"
     out = K.causal_attention(q[rows][:, None], k_b, v_b, pos)[:, 0]
     differ = (out != train[rows]).flatten(1).any(1)
     assert not differ.any(), f"decoded tokens differ from training at (sequence, position) " \

@@ -122,8 +122,17 @@ TUNING = {
     # overlaps loads with compute. The seventeenth session (H200, CUDA graphs, A/B against the
     # sixteenth's table in one call): 2 stages and one wave of 3 an SM took batch 16 x 16k keys
     # from 342 to 304 us and 16 x 4k from 99 to 89 us; 3 stages and 4 an SM (rounded up: 1.3-1.6
-    # waves) as before
-    "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False),
+    # waves) as before.
+    # WALK_STAGES: the one-program walk (P = 1) takes this deeper ring where its programs, WALK_PER_SM
+    # an SM (105 KB of shared memory each against 71.7 KB at 2-4 stages: ptxas, sm_90a), need no more
+    # waves than PROGRAMS_PER_SM an SM would: batches of 25-33 and 50-66 requests at Qwen3-8B's 8 kv
+    # heads on an H200. There the table's last wave was part full (512 programs: 1.29 waves of 396)
+    # and the deeper one's are whole (1.94 of 264). The twenty-third session (H200, CUDA graphs, bits
+    # equal): batch 64 at 1k / 4k / 16k / 32k keys 1.15 / 1.24 / 1.21 / 1.12x the table, batch 32 at
+    # 1k / 4k 1.07 / 1.13x; where it would take more waves it lost (batch 48 0.75x, 96 0.94x, 128 at
+    # 600 keys 0.91x), and at batch 256 it was even (0.97-0.99x)
+    "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
+                   WALK_STAGES=5, WALK_PER_SM=2),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
@@ -1471,6 +1480,9 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     # programs per (sequence, kv head): as many as make one wave of PROGRAMS_PER_SM an SM at small
     # batch, at most one per chunk; one where the batch alone fills the wave
     per_seq = max(1, min(n_chunks, cfg["PROGRAMS_PER_SM"] * resident_programs(q.device) // (n_seqs * keys.n_heads)))
+    stages = cfg["num_stages"]
+    if per_seq == 1 and _walk_fits(n_seqs * keys.n_heads, resident_programs(q.device), cfg):
+        stages = cfg["WALK_STAGES"]
     states = (n_seqs, keys.n_heads, n_chunks, group) if per_seq > 1 else (1,)  # one program: merged in registers
     part_m = torch.empty(states, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
@@ -1483,8 +1495,13 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
         *_page_args(keys), q.shape[1], qk_scale, n_chunks, GROUP=group, ROWS=decode_rows(group, d),
         MERGE_ROWS=triton.next_power_of_2(group), D=d,
         KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, IN_REGISTERS=per_seq == 1, PREFETCH=cfg["PREFETCH"],
-        FROM_LENS=queries.from_lens, SWAP=swapped, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        FROM_LENS=queries.from_lens, SWAP=swapped, num_warps=cfg["num_warps"], num_stages=stages)
+
+
+def _walk_fits(programs: int, sms: int, cfg: dict) -> bool:
+    """Whether the one-program walk takes TUNING["decode"]["WALK_STAGES"]: its `programs` (one per
+    sequence and kv head), WALK_PER_SM an SM, need no more waves than PROGRAMS_PER_SM an SM would."""
+    return triton.cdiv(programs, cfg["WALK_PER_SM"] * sms) <= triton.cdiv(programs, max(1, cfg["PROGRAMS_PER_SM"]) * sms)
 
 
 def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):
