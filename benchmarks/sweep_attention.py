@@ -71,8 +71,9 @@ CANDIDATES = {
     # more programs a (sequence, kv head) than one wave at batch 64 and 256 (a pair's chunks split over
     # 2-16 programs): whole waves against the last wave part full
     + [dict(SWAP=True, num_stages=2, PREFETCH=False, PROGRAMS_PER_SM=n) for n in (8, 12, 16, 32, 64)]
-    # deeper rings: at small batch a program walks few chunks of 4 blocks, each chunk's loop pipelined
-    # on its own, so the loads a program has in flight bound its chain (and an SM has room to spare)
+    # deeper rings (5-6 stages: 105 KB, 2 programs an SM; 3-4 stages take the table's 71.7 KB); for the
+    # one-program walk TUNING["decode"]["WALK_STAGES"] already applies where it costs no wave, so these
+    # time it elsewhere too (RESULTS.md, twenty-third session)
     + [dict(SWAP=True, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (4, 5, 6) for n in (1, 2, 3)],
 }
 
