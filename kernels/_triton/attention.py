@@ -1479,10 +1479,9 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     n_chunks = triton.cdiv(keys.max_count, KV_CHUNK)
     # programs per (sequence, kv head): as many as make one wave of PROGRAMS_PER_SM an SM at small
     # batch, at most one per chunk; one where the batch alone fills the wave
-    per_seq = max(1, min(n_chunks, cfg["PROGRAMS_PER_SM"] * resident_programs(q.device) // (n_seqs * keys.n_heads)))
-    stages = cfg["num_stages"]
-    if per_seq == 1 and _walk_fits(n_seqs * keys.n_heads, resident_programs(q.device), cfg):
-        stages = cfg["WALK_STAGES"]
+    sms, pairs = resident_programs(q.device), n_seqs * keys.n_heads
+    per_seq = max(1, min(n_chunks, cfg["PROGRAMS_PER_SM"] * sms // pairs))
+    stages = cfg["WALK_STAGES"] if per_seq == 1 and _walk_fits(pairs, sms, cfg) else cfg["num_stages"]
     states = (n_seqs, keys.n_heads, n_chunks, group) if per_seq > 1 else (1,)  # one program: merged in registers
     part_m = torch.empty(states, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
