@@ -74,7 +74,10 @@ CANDIDATES = {
     # deeper rings (5-6 stages: 105 KB, 2 programs an SM; 3-4 stages take the table's 71.7 KB); for the
     # one-program walk TUNING["decode"]["WALK_STAGES"] already applies where it costs no wave, so these
     # time it elsewhere too (RESULTS.md, twenty-third session)
-    + [dict(SWAP=True, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (4, 5, 6) for n in (1, 2, 3)],
+    + [dict(SWAP=True, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (4, 5, 6) for n in (1, 2, 3)]
+    # the last, part-full wave's pairs split across programs (SPLIT_TAIL) or walked whole; WALK_PER_SM=1
+    # keeps the walks off the deeper ring (_walk_fits), so batches that take it time the split tail
+    + [dict(SPLIT_TAIL=t, WALK_PER_SM=w) for t, w in ((False, 2), (True, 1), (False, 1))],
 }
 
 

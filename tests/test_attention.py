@@ -336,6 +336,50 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
         assert torch.equal(got[0, 0], K.varlen_attention(q, k, v, cu)[n - 1]), n
 
 
+def test_decode_grid_splits_its_last_waves_pairs_with_the_walks_bits(triton_backend, monkeypatch):
+    """More (sequence, kv head) pairs than a wave's slots: the pairs of the last, part-full wave split
+    across programs (SPLIT_TAIL) in the walks' launch, and every decoded row keeps the bits of the
+    all-walks grid and of training."""
+    A = triton_backend
+    lens = [70, 20, 45, 33, 64, 90, 7, 50, 81, 38]  # 10 single-query sequences at one kv head: 10 pairs
+    q, k, v, cu = _packed(lens, 4, 1, 16, device=TRITON_DEVICE)
+    train = K.varlen_attention(q, k, v, cu)
+    last = cu[1:] - 1
+    k_b, v_b = _padded(k, cu, max(lens)), _padded(v, cu, max(lens))
+    pos = (torch.tensor(lens, device=TRITON_DEVICE) - 1)[:, None]
+    grids = []
+    real = A._decode_grid
+    monkeypatch.setattr(A, "_decode_grid", lambda *a: grids.append(real(*a)) or grids[-1])
+    slots = 2 * A.resident_programs(q.device)  # two programs an SM: a wave of this many
+    assert 10 % slots and slots // (10 % slots) > 1  # a last wave of walks part full, fewer than half its slots
+    outs = {}
+    # (the walk's deeper ring at one program an SM would take more waves: the rule keeps the table's)
+    for per_sm, split_tail in [(0, True), (2, True), (2, False), (64, True)]:
+        monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "PROGRAMS_PER_SM": per_sm, "WALK_PER_SM": 1,
+                                                 "SPLIT_TAIL": split_tail})
+        outs[per_sm, split_tail] = K.causal_attention(q[last][:, None], k_b, v_b, pos)[:, 0]
+    tail = 10 % slots
+    walks, per_split, _ = grids[1]
+    assert (walks, per_split) == (10 - tail, min(3, slots // tail)), grids  # the mixed grid
+    assert grids[0][:2] == grids[2][:2] == (10, 1) and grids[3][0] == 0, grids  # walks only; splits only
+    for key, got in outs.items():
+        assert torch.equal(got, train[last]), key
+
+
+def test_decode_grid_rule_on_an_h200():
+    """The decode grid at Qwen3-8B's 8 kv heads on an H200's 132 SMs (3 programs an SM: 396 slots)."""
+    from lockstep.kernels._triton import attention as A
+
+    cfg = A.TUNING["decode"]
+    grid = lambda batch, keys: A._decode_grid(batch * 8, -(-keys // A.KV_CHUNK), 132, cfg)  # noqa: E731
+    assert grid(1, 16384) == (0, 49, 2) and grid(1, 1024) == (0, 4, 2)  # one wave of splits, at most a chunk each
+    assert grid(16, 4096) == (0, 3, 2)
+    assert grid(64, 4096) == (512, 1, cfg["WALK_STAGES"])  # walks whose deeper ring costs no wave
+    assert grid(128, 1024) == (1024, 1, 2)  # a last wave of 232 walks: too full to split
+    assert grid(256, 1024) == (1980, 4, 2) and grid(256, 16384) == (1980, 5, 2)  # 68 pairs split 4 / 5 ways
+    assert A._decode_grid(2048, 64, 132, {**cfg, "SPLIT_TAIL": False}) == (2048, 1, 2)
+
+
 def test_decode_walk_takes_its_deep_ring_only_where_that_costs_no_wave():
     """The one-program decode walk's ring (TUNING["decode"]["WALK_STAGES"], WALK_PER_SM programs an
     SM) against the table's (PROGRAMS_PER_SM an SM): on an H200's 132 SMs at Qwen3-8B's 8 kv heads,
@@ -356,7 +400,7 @@ from lockstep.kernels._triton import attention as A
 from lockstep.kernels._triton.splitk_ws import gluon_layout
 
 INTS = {"stride_table", "page_size", "stride_page", "stride_head", "stride_slot", "n_heads", "min_queries", "n_chunks",
-        "n_seqs"}
+        "n_seqs", "n_walks", "per_split"}
 POINTEE = {"lse": "fp32", "tickets": "i32", "part_m": "fp32", "part_l": "fp32", "part_acc": "fp32", "q_begin": "i32",
            "q_count": "i32", "q_pos": "i32", "page_table": "i32"}
 types = lambda n: "fp32" if n == "qk_scale" else "i32" if n in INTS else "*" + POINTEE.get(n, "bf16")
@@ -396,11 +440,14 @@ dq = compile_sm90(A._bwd_dq_kernel, lambda n: f"tensordesc<bf16[{cfg['BLOCK_KV']
 dq_gluon = compile_sm90(A._bwd_dq_ws_kernel, lambda n: "i32" if n in WS_INTS else bwd_types(n),
                         dict(GROUP=4, D=128, BLOCK_KV=cfg["BLOCK_KV"], STAGES=cfg["GLUON_STAGES"]), 4, 1)
 cfg = A.TUNING["decode"]
-decode = {f"{'swapped' if swap else 'padded'}{' in registers' if r else ''}{' deep' if deep else ''}":
+# (grids of splits only, of walks only (" in registers"; " deep": on the walk's ring) and of both)
+kinds = {"": (False, True), " in registers": (True, False), " mixed": (True, True)}
+decode = {f"{'swapped' if swap else 'padded'}{kind}{' deep' if deep else ''}":
           compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=16 if swap else cfg["MIN_ROWS"], MERGE_ROWS=4,
-                       IN_REGISTERS=r, FROM_LENS=True, PREFETCH=cfg["PREFETCH"], SWAP=swap, **common),
-                       cfg["num_warps"], cfg["WALK_STAGES" if deep else "num_stages"])
-          for swap in (True, False) for r in (False, True) for deep in ((False, True) if swap and r else (False,))}
+                       WALKS=kinds[kind][0], SPLITS=kinds[kind][1], FROM_LENS=True, PREFETCH=cfg["PREFETCH"],
+                       SWAP=swap, **common), cfg["num_warps"], cfg["WALK_STAGES" if deep else "num_stages"])
+          for swap in (True, False) for kind in kinds
+          for deep in ((False, True) if swap and kind == " in registers" else (False,))}
 print(json.dumps([prefill, linear, gluon, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, decode]))
 """
 
@@ -435,7 +482,7 @@ def test_decode_and_prefill_multiply_with_wgmma():
         assert d["spill_bytes"] == 0, (name, d)
     for name in ("padded", "padded in registers"):
         assert decode[name]["mma"] == prefill["mma"], f"prefill MMAs {prefill['mma']} != decode ({name}) {decode[name]['mma']}"
-    for name in ("swapped", "swapped in registers", "swapped in registers deep"):
+    for name in ("swapped", "swapped in registers", "swapped in registers deep", "swapped mixed"):
         assert decode[name]["mma"] == [["3", "[16, 16, 16]"]], (name, decode[name])
         assert decode[name]["regs"] <= 160, (name, decode[name])
     # the programs an SM that the decode grid and the walk's ring rule count on are what fits
@@ -444,6 +491,7 @@ def test_decode_and_prefill_multiply_with_wgmma():
     cfg, per_block = A.TUNING["decode"], 227 * 1024
     assert per_block // decode["swapped"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode["swapped"]
     assert per_block // decode["swapped in registers"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode
+    assert per_block // decode["swapped mixed"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode
     assert per_block // decode["swapped in registers deep"]["shared_bytes"] == cfg["WALK_PER_SM"], decode
     # the prefill tile holds the next block's K/V in registers (TUNING["prefill"]["PREFETCH"]): the
     # measured winner spills 8 bytes on packed sequences and 68 on the paged layout (probed here);
@@ -607,21 +655,20 @@ def test_gpu_paged_prefill_takes_the_gluon_forward_with_the_training_bits(gpu_tr
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("swap", [True, False], ids=["swapped", "padded"])
-@pytest.mark.parametrize("per_sm,walk_stages", [(16, None), (0, None), (0, 2)],
-                         ids=["split", "one-program", "one-program-2-stages"])
+@pytest.mark.parametrize("per_sm,walk_stages", [(16, None), (0, None), (0, 2), (None, None)],
+                         ids=["split", "one-program", "one-program-2-stages", "walks-and-split-tail"])
 def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, per_sm, walk_stages):
     """Decode tiles at Qwen3-8B heads (bf16, head_dim 128, group 4), with the dots' operands swapped
     (the heads as wgmma's N side) or the heads padded to 64 rows, a sequence's chunks split across
     programs (merged through memory) or walked by one program (merged in registers; its ring the
-    table's WALK_STAGES deep, as the ~50 x 8 walks here take it, or 2): each decoded token's output
-    equals its training output, bit for bit, at positions across blocks and chunks."""
+    table's WALK_STAGES deep, as the ~50 x 8 walks here take it, or 2), or both in one grid (a wave's
+    slots fewer than the pairs: the last wave's pairs split): each decoded token's output equals its
+    training output, bit for bit, at positions across blocks and chunks."""
     from lockstep.kernels._triton import attention as A
 
     cfg = {**A.TUNING["decode"], "SWAP": swap, "PROGRAMS_PER_SM": per_sm}
     if walk_stages is not None:
         cfg["WALK_STAGES"] = walk_stages
-    monkeypatch.setitem(A.TUNING, "decode", cfg)
-    assert A.decode_swapped(128) == swap
     lens = [3000, 1500, 700, 257, 64]  # 3,000 keys: 12 chunks, merged in two steps of _MERGE_AHEAD loads
     q, k, v, cu = _packed(lens, 32, 8, 128, torch.bfloat16, "cuda")
     train = K.varlen_attention(q, k, v, cu)
@@ -635,11 +682,20 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
     rows = torch.tensor([int(cu[r]) + p for r, p in picks], device="cuda")
     pos = torch.tensor([[p] for _, p in picks], device="cuda")
     # the grid: one wave of per_sm programs an SM, so 16 splits each of the ~50 x 8 (sequence, kv
-    # head) pairs across programs (the split path), and 0 leaves one program each
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    split = per_sm * sms // (len(picks) * 8) > 1
-    assert split == (per_sm > 0), (per_sm, len(picks))
-    assert split or A._walk_fits(len(picks) * 8, sms, cfg), "the walk should take WALK_STAGES here"
+    # head) pairs across programs (the split path), and 0 leaves one program each; None: a wave of
+    # fewer slots than pairs, the walks off their deeper ring, so the last wave's pairs split
+    sms, pairs = torch.cuda.get_device_properties(0).multi_processor_count, len(picks) * 8
+    if per_sm is None:
+        cfg.update(PROGRAMS_PER_SM=pairs // sms, WALK_PER_SM=1, SPLIT_TAIL=True)
+    monkeypatch.setitem(A.TUNING, "decode", cfg)
+    assert A.decode_swapped(128) == swap
+    walks, per_split, stages = A._decode_grid(pairs, 12, sms, cfg)  # 3,000 keys: 12 chunks
+    if per_sm is None:
+        assert 0 < walks < pairs and per_split > 1, (walks, per_split, pairs)
+    elif per_sm:
+        assert walks == 0 and per_split > 1, (walks, per_split)
+    else:
+        assert walks == pairs and stages == cfg["WALK_STAGES"], "the walk should take WALK_STAGES here"
     out = K.causal_attention(q[rows][:, None], k_b, v_b, pos)[:, 0]
     differ = (out != train[rows]).flatten(1).any(1)
     assert not differ.any(), f"decoded tokens differ from training at (sequence, position) " \

@@ -132,7 +132,7 @@ TUNING = {
     # 1k / 4k 1.07 / 1.13x; where it would take more waves it lost (batch 48 0.75x, 96 0.94x, 128 at
     # 600 keys 0.91x), and at batch 256 it was even (0.97-0.99x)
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
-                   WALK_STAGES=5, WALK_PER_SM=2),
+                   WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
@@ -462,23 +462,41 @@ def _prefill_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stri
 
 
 @triton.jit
+def _walk(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale, out, lse, idx, keep,
+          ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
+          PREFETCH: tl.constexpr, SWAP: tl.constexpr):
+    """A decode program's whole walk of its (sequence, kv head): _row_state, then the rows stored."""
+    m, l, acc = _row_state(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
+                           None, None, 0, 0, ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH, SWAP, False)
+    _store_rows(out, lse, idx, keep, m, l, acc, D, SWAP)
+
+
+@triton.jit
 def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q_begin, q_count, q_pos, page_table,
                          stride_table, page_size, stride_page, stride_head, stride_slot, n_heads, qk_scale,
-                         n_chunks, GROUP: tl.constexpr, ROWS: tl.constexpr, MERGE_ROWS: tl.constexpr,
-                         D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
-                         IN_REGISTERS: tl.constexpr, PREFETCH: tl.constexpr, FROM_LENS: tl.constexpr,
-                         SWAP: tl.constexpr):
-    """The states of the chunks p, p + P, p + 2P, ... (P programs per sequence and kv head) of one
-    single-query sequence, for all query heads of one kv head; the last of the sequence's programs
-    to finish merges every chunk's state in chunk order, as _prefill_kernel does in registers, and
-    stores the rows (one launch per decode step). P follows the batch, never the cache length, so
-    a grid sized for the longest sequence (a CUDA graph's) costs no idle programs. IN_REGISTERS
-    (P = 1, a large batch): the one program walks the sequence as a prefill tile does (_row_state:
-    the same operations in the same order), and no state goes through memory. SWAP: the tile's
-    dots run with their operands swapped (_fold_block): the group's heads are the N side of the
-    MMA, padded to ROWS = 16 rather than 64."""
-    p, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n_programs = tl.num_programs(0)
+                         n_chunks, n_walks, per_split, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                         MERGE_ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
+                         WALKS: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
+                         FROM_LENS: tl.constexpr, SWAP: tl.constexpr):
+    """Single-query sequences, each (sequence, kv head) pair's rows the group's query heads, on a 1-D
+    grid: programs 0 .. n_walks - 1 walk pairs 0 .. n_walks - 1 whole, and each later pair is split
+    across per_split programs (P). A walk runs as a prefill tile does (_row_state: its chunk states
+    merged in registers, the same operations in the same order). Split program p of a pair stores
+    the states of chunks p, p + P, p + 2P, ...; the last of the pair's programs to finish merges every
+    chunk's state in chunk order and stores the rows (one launch per decode step). Which program
+    computes a chunk, and how the walks and splits share the grid, move no bit. The launcher sets
+    n_walks and P from the batch, never the cache length, so a grid sized for the longest sequence
+    (a CUDA graph's) costs no idle programs. WALKS / SPLITS: whether the grid holds any walk / any
+    split (a kernel of one kind holds only its path). SWAP: the tile's dots run with their operands
+    swapped (_fold_block): the group's heads are the N side of the MMA, padded to ROWS = 16 rather
+    than 64."""
+    pid = tl.program_id(0)
+    n_kv = n_heads // GROUP
+    walking = pid < n_walks
+    split_pid = tl.maximum(pid - n_walks, 0)
+    pair = tl.where(walking, pid, n_walks + split_pid // per_split)
+    p = tl.where(walking, 0, split_pid % per_split)
+    seq, kv_head = pair // n_kv, pair % n_kv
     begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
     rows = tl.arange(0, ROWS)
     tok, head = _rows(rows, begin, 1, kv_head, GROUP)
@@ -493,50 +511,57 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     if p >= n_need:
         return
     q_tile = tl.load(q + _tile_offsets(tok * n_heads + head, D, SWAP))
-    first = ((seq * tl.num_programs(1) + kv_head) * n_chunks).to(tl.int64) * GROUP + rows % GROUP
     keep = rows < GROUP
     k, v, page_row = k + kv_head * stride_head, v + kv_head * stride_head, page_table + seq * stride_table
-    if IN_REGISTERS:
-        m, l, acc = _row_state(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
-                               None, None, 0, 0, ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH, SWAP, False)
-        _store_rows(out, lse, tok * n_heads + head, keep, m, l, acc, D, SWAP)
+    if WALKS and not SPLITS:  # (a grid of walks only: no branch around the walk)
+        _walk(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale, out, lse,
+              tok * n_heads + head, keep, ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH, SWAP)
         return
-    # a loop per chunk: its state's store then falls between two loops, not inside one, and takes no
-    # shared memory beside the pipelined K/V buffers (one loop over all the program's blocks, storing
-    # each chunk's state inside it, took 78 KB a program instead of 71.7, two programs an SM instead
-    # of three, and ran 0.91-0.97x the sixteenth session's kernel at batch 16-64 in an A/B)
-    for chunk in range(p, n_need, n_programs):
-        m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot,
-                                 qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP)
-        slot = first + chunk * GROUP
-        tl.store(part_m + slot, m, mask=keep)
-        tl.store(part_l + slot, l, mask=keep)
-        tl.store(part_acc + _tile_offsets(slot, D, SWAP), acc, mask=_col(keep, SWAP))
-    mine = (n_need - 1 - p) // n_programs + 1
-    tl.debug_barrier()  # every thread's stores precede the release
-    ticket = tl.atomic_add(tickets + seq * tl.num_programs(1) + kv_head, mine, sem="acq_rel", scope="gpu")
-    if ticket + mine == n_need:  # this program stored the last of the chunk states
-        tl.atomic_xchg(tickets + seq * tl.num_programs(1) + kv_head, 0, sem="relaxed", scope="gpu")  # _tickets.py
-        # the merge is elementwise per row: only the group's real rows (a power of two >= GROUP)
-        g = tl.arange(0, MERGE_ROWS)
-        tok_g, head_g = _rows(g, begin, 1, kv_head, GROUP)
-        first_g = ((seq * tl.num_programs(1) + kv_head) * n_chunks).to(tl.int64) * GROUP + g % GROUP
-        m_t = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
-        l_t = tl.zeros((MERGE_ROWS,), tl.float32)
-        acc_t = tl.zeros((MERGE_ROWS, D), tl.float32)
-        # chunk order, _MERGE_AHEAD states a step: their loads (written by other programs: from L2, .cg)
-        # are independent of the merges, so they are all in flight before the first merge needs one;
-        # a state past the last is loaded masked and its merge's result not kept (a select: exact)
-        for c_step in range(0, n_need, _MERGE_AHEAD):
-            for i in tl.static_range(_MERGE_AHEAD):
-                c = c_step + i
-                at = first_g + c * GROUP
-                here = c < n_need
-                acc_c = tl.load(part_acc + _tile_offsets(at, D, False), mask=here, other=0.0, cache_modifier=".cg")
-                m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, tl.load(part_m + at, mask=here, other=0.0, cache_modifier=".cg"),
-                                         tl.load(part_l + at, mask=here, other=0.0, cache_modifier=".cg"), acc_c, False)
-                m_t, l_t, acc_t = tl.where(here, m_n, m_t), tl.where(here, l_n, l_t), tl.where(here, acc_n, acc_t)
-        _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False)
+    if WALKS and SPLITS:
+        if walking:
+            _walk(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale, out, lse,
+                  tok * n_heads + head, keep, ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH, SWAP)
+            return
+    if SPLITS:
+        # the split pairs' states and tickets, from the first split pair's
+        tail = pair - n_walks
+        first = (tail * n_chunks).to(tl.int64) * GROUP + rows % GROUP
+        # a loop per chunk: its state's store then falls between two loops, not inside one, and takes no
+        # shared memory beside the pipelined K/V buffers (one loop over all the program's blocks, storing
+        # each chunk's state inside it, took 78 KB a program instead of 71.7, two programs an SM instead
+        # of three, and ran 0.91-0.97x the sixteenth session's kernel at batch 16-64 in an A/B)
+        for chunk in range(p, n_need, per_split):
+            m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot,
+                                     qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP)
+            slot = first + chunk * GROUP
+            tl.store(part_m + slot, m, mask=keep)
+            tl.store(part_l + slot, l, mask=keep)
+            tl.store(part_acc + _tile_offsets(slot, D, SWAP), acc, mask=_col(keep, SWAP))
+        mine = (n_need - 1 - p) // per_split + 1
+        tl.debug_barrier()  # every thread's stores precede the release
+        ticket = tl.atomic_add(tickets + tail, mine, sem="acq_rel", scope="gpu")
+        if ticket + mine == n_need:  # this program stored the last of the chunk states
+            tl.atomic_xchg(tickets + tail, 0, sem="relaxed", scope="gpu")  # _tickets.py
+            # the merge is elementwise per row: only the group's real rows (a power of two >= GROUP)
+            g = tl.arange(0, MERGE_ROWS)
+            tok_g, head_g = _rows(g, begin, 1, kv_head, GROUP)
+            first_g = (tail * n_chunks).to(tl.int64) * GROUP + g % GROUP
+            m_t = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
+            l_t = tl.zeros((MERGE_ROWS,), tl.float32)
+            acc_t = tl.zeros((MERGE_ROWS, D), tl.float32)
+            # chunk order, _MERGE_AHEAD states a step: their loads (written by other programs: from L2, .cg)
+            # are independent of the merges, so they are all in flight before the first merge needs one;
+            # a state past the last is loaded masked and its merge's result not kept (a select: exact)
+            for c_step in range(0, n_need, _MERGE_AHEAD):
+                for i in tl.static_range(_MERGE_AHEAD):
+                    c = c_step + i
+                    at = first_g + c * GROUP
+                    here = c < n_need
+                    acc_c = tl.load(part_acc + _tile_offsets(at, D, False), mask=here, other=0.0, cache_modifier=".cg")
+                    m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, tl.load(part_m + at, mask=here, other=0.0, cache_modifier=".cg"),
+                                             tl.load(part_l + at, mask=here, other=0.0, cache_modifier=".cg"), acc_c, False)
+                    m_t, l_t, acc_t = tl.where(here, m_n, m_t), tl.where(here, l_n, l_t), tl.where(here, acc_n, acc_t)
+            _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False)
 
 
 # ---- the forward, warp-specialised (Gluon) ---------------------------------------------------------
@@ -1477,24 +1502,45 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
         raise ValueError("attention (triton): TUNING['decode'] has num_stages=1 with SWAP: swapped decode tiles "
                          "unpipelined made an illegal memory access on an H200 (Triton 3.6); use num_stages >= 2")
     n_chunks = triton.cdiv(keys.max_count, KV_CHUNK)
-    # programs per (sequence, kv head): as many as make one wave of PROGRAMS_PER_SM an SM at small
-    # batch, at most one per chunk; one where the batch alone fills the wave
-    sms, pairs = resident_programs(q.device), n_seqs * keys.n_heads
-    per_seq = max(1, min(n_chunks, cfg["PROGRAMS_PER_SM"] * sms // pairs))
-    stages = cfg["WALK_STAGES"] if per_seq == 1 and _walk_fits(pairs, sms, cfg) else cfg["num_stages"]
-    states = (n_seqs, keys.n_heads, n_chunks, group) if per_seq > 1 else (1,)  # one program: merged in registers
+    pairs = n_seqs * keys.n_heads
+    walks, per_split, stages = _decode_grid(pairs, n_chunks, resident_programs(q.device), cfg)
+    split = pairs - walks  # pairs split across programs: their chunk states go through memory
+    states = (split, n_chunks, group) if split else (1,)
     part_m = torch.empty(states, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((*states, d), device=q.device, dtype=torch.float32)
-    # ticket counters (one per sequence and kv head; one program per sequence takes none) that the
-    # merging programs leave at zero
-    tickets = zeroed_tickets(q.device, n_seqs * keys.n_heads)
-    _decode_chunk_kernel[(per_seq, keys.n_heads, n_seqs)](
+    # ticket counters (one per split pair; a walk takes none) that the merging programs leave at zero
+    tickets = zeroed_tickets(q.device, max(split, 1))
+    _decode_chunk_kernel[(walks + split * per_split,)](
         q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, *_query_args(queries),
-        *_page_args(keys), q.shape[1], qk_scale, n_chunks, GROUP=group, ROWS=decode_rows(group, d),
-        MERGE_ROWS=triton.next_power_of_2(group), D=d,
-        KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, IN_REGISTERS=per_seq == 1, PREFETCH=cfg["PREFETCH"],
-        FROM_LENS=queries.from_lens, SWAP=swapped, num_warps=cfg["num_warps"], num_stages=stages)
+        *_page_args(keys), q.shape[1], qk_scale, n_chunks, walks, per_split, GROUP=group,
+        ROWS=decode_rows(group, d), MERGE_ROWS=triton.next_power_of_2(group), D=d, KV_BLOCK=KV_BLOCK,
+        KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"], FROM_LENS=queries.from_lens,
+        SWAP=swapped, num_warps=cfg["num_warps"], num_stages=stages)
+
+
+def _decode_grid(pairs: int, n_chunks: int, sms: int, cfg: dict) -> tuple[int, int, int]:
+    """(walks, per_split, num_stages) of the decode grid (TUNING["decode"]: cfg) for `pairs` (sequence,
+    kv head) pairs of at most n_chunks chunks: the first `walks` pairs get one program each, every
+    later pair per_split programs. A wave holds PROGRAMS_PER_SM programs an SM (its slots):
+    - fewer pairs than slots: each pair's chunks split across as many programs as make one wave, at
+      most one a chunk (a second, part-full wave of a program's whole walk costs more than the split
+      saves); one program a pair where the batch alone fills the wave;
+    - more pairs than slots: one program a pair on the deeper WALK_STAGES ring where _walk_fits, else
+      on the table's, and with SPLIT_TAIL the pairs of the last, part-full wave split across as many
+      programs as fill it (one wave of short programs where each of that wave's walks would have run
+      alone on its SM)."""
+    slots = cfg["PROGRAMS_PER_SM"] * sms
+    deep = _walk_fits(pairs, sms, cfg)
+    walk = (pairs, 1, cfg["WALK_STAGES"] if deep else cfg["num_stages"])
+    if slots == 0:  # (0 programs an SM asks for one program a pair)
+        return walk
+    if pairs <= slots:
+        per_split = min(n_chunks, slots // pairs)
+        return walk if per_split <= 1 else (0, per_split, cfg["num_stages"])
+    tail = pairs % slots
+    per_split = min(n_chunks, slots // tail) if tail and cfg["SPLIT_TAIL"] and not deep else 1
+    return walk if per_split <= 1 else (pairs - tail, per_split, cfg["num_stages"])
 
 
 def _walk_fits(programs: int, sms: int, cfg: dict) -> bool:
