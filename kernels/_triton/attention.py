@@ -490,13 +490,16 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     split (a kernel of one kind holds only its path). SWAP: the tile's dots run with their operands
     swapped (_fold_block): the group's heads are the N side of the MMA, padded to ROWS = 16 rather
     than 64."""
-    pid = tl.program_id(0)
-    n_kv = n_heads // GROUP
-    walking = pid < n_walks
-    split_pid = tl.maximum(pid - n_walks, 0)
-    pair = tl.where(walking, pid, n_walks + split_pid // per_split)
-    p = tl.where(walking, 0, split_pid % per_split)
-    seq, kv_head = pair // n_kv, pair % n_kv
+    if SPLITS:
+        pid = tl.program_id(0)
+        n_kv = n_heads // GROUP
+        walking = pid < n_walks
+        split_pid = tl.maximum(pid - n_walks, 0)
+        pair = tl.where(walking, pid, n_walks + split_pid // per_split)
+        p = tl.where(walking, 0, split_pid % per_split)
+        seq, kv_head = pair // n_kv, pair % n_kv
+    else:  # a grid of walks only: (1, kv heads, sequences)
+        p, kv_head, seq = 0, tl.program_id(1), tl.program_id(2)
     begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
     rows = tl.arange(0, ROWS)
     tok, head = _rows(rows, begin, 1, kv_head, GROUP)
@@ -1511,7 +1514,8 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     part_acc = torch.empty((*states, d), device=q.device, dtype=torch.float32)
     # ticket counters (one per split pair; a walk takes none) that the merging programs leave at zero
     tickets = zeroed_tickets(q.device, max(split, 1))
-    _decode_chunk_kernel[(walks + split * per_split,)](
+    grid = (walks + split * per_split, 1, 1) if split else (1, keys.n_heads, n_seqs)
+    _decode_chunk_kernel[grid](
         q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, *_query_args(queries),
         *_page_args(keys), q.shape[1], qk_scale, n_chunks, walks, per_split, GROUP=group,
         ROWS=decode_rows(group, d), MERGE_ROWS=triton.next_power_of_2(group), D=d, KV_BLOCK=KV_BLOCK,
