@@ -131,6 +131,12 @@ TUNING = {
     # equal): batch 64 at 1k / 4k / 16k / 32k keys 1.15 / 1.24 / 1.21 / 1.12x the table, batch 32 at
     # 1k / 4k 1.07 / 1.13x; where it would take more waves it lost (batch 48 0.75x, 96 0.94x, 128 at
     # 600 keys 0.91x), and at batch 256 it was even (0.97-0.99x)
+    # SPLIT_TAIL: where the walks take more than one wave and do not take the deeper ring, the pairs
+    # of the last, part-full wave split across as many programs as fill it (_decode_grid), in the
+    # same launch. The twenty-fourth session (H200, CUDA graphs, bits equal; the walks alone against
+    # it): batch 256 at 1k / 4k / 16k keys 0.954 / 0.957 / 0.956x (68 pairs split 4 / 5 / 5 ways),
+    # batch 72 / 100 / 200 at 4k 0.914 / 0.815 / 0.922x; at batch 64 (the deeper ring's batch) the
+    # split tail on the table's ring was even with the deeper walks (1k 0.97x, 4k 1.00x, 32k 1.01x)
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
                    WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
