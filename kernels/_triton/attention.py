@@ -484,9 +484,9 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          MERGE_ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                          WALKS: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
                          FROM_LENS: tl.constexpr, SWAP: tl.constexpr):
-    """Single-query sequences, each (sequence, kv head) pair's rows the group's query heads, on a 1-D
-    grid: programs 0 .. n_walks - 1 walk pairs 0 .. n_walks - 1 whole, and each later pair is split
-    across per_split programs (P). A walk runs as a prefill tile does (_row_state: its chunk states
+    """Single-query sequences, each (sequence, kv head) pair's rows the group's query heads. A grid
+    with splits is 1-D: programs 0 .. n_walks - 1 walk pairs 0 .. n_walks - 1 whole, and each later
+    pair is split across per_split programs (P); a grid of walks only is (1, kv heads, sequences). A walk runs as a prefill tile does (_row_state: its chunk states
     merged in registers, the same operations in the same order). Split program p of a pair stores
     the states of chunks p, p + P, p + 2P, ...; the last of the pair's programs to finish merges every
     chunk's state in chunk order and stores the rows (one launch per decode step). Which program
@@ -1520,6 +1520,8 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     part_acc = torch.empty((*states, d), device=q.device, dtype=torch.float32)
     # ticket counters (one per split pair; a walk takes none) that the merging programs leave at zero
     tickets = zeroed_tickets(q.device, max(split, 1))
+    # walks alone keep a (1, kv heads, sequences) grid: on the 1-D one the deep walk ran 4-5% slower in
+    # an A/B (the twenty-fourth session; the same loop by ptxas), for no reason found
     grid = (walks + split * per_split, 1, 1) if split else (1, keys.n_heads, n_seqs)
     _decode_chunk_kernel[grid](
         q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, *_query_args(queries),
