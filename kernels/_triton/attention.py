@@ -221,11 +221,17 @@ def _query_pos(q_pos, tok, rows, seq, n_queries, GROUP: tl.constexpr, FROM_LENS:
 
 
 @triton.jit
-def _kv_offsets(page_row, pos, page_size, stride_page, stride_slot, mask):
+def _kv_offsets(page_row, pos, page_size, stride_page, stride_slot, mask, PAGE_SHIFT: tl.constexpr = -1):
     """Element offsets (head 0) of the keys at positions `pos`: their page, from the sequence's row
-    of the page table, then their slot in it."""
-    page = tl.load(page_row + pos // page_size, mask=mask, other=0)
-    return page.to(tl.int64) * stride_page + (pos % page_size).to(tl.int64) * stride_slot
+    of the page table, then their slot in it. PAGE_SHIFT >= 0: page_size is 1 << PAGE_SHIFT, and a
+    shift and a mask find the page and slot (an integer division by a runtime page_size is ~10
+    instructions a key: a quarter of decode's loop; decode_page_shift)."""
+    if PAGE_SHIFT >= 0:
+        page_of, slot = pos >> PAGE_SHIFT, pos & ((1 << PAGE_SHIFT) - 1)
+    else:
+        page_of, slot = pos // page_size, pos % page_size
+    page = tl.load(page_row + page_of, mask=mask, other=0)
+    return page.to(tl.int64) * stride_page + slot.to(tl.int64) * stride_slot
 
 
 @triton.jit
@@ -332,25 +338,27 @@ def _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK: tl.const
 
 
 @triton.jit
-def _block_kv(k, v, page_row, blk, hi, page_size, stride_page, stride_slot, KV_BLOCK: tl.constexpr, D: tl.constexpr):
+def _block_kv(k, v, page_row, blk, hi, page_size, stride_page, stride_slot, KV_BLOCK: tl.constexpr, D: tl.constexpr,
+              PAGE_SHIFT: tl.constexpr = -1):
     """K/V block `blk` of a sequence (keys past `hi` masked: not loaded) and its key positions."""
     key_pos = blk * KV_BLOCK + tl.arange(0, KV_BLOCK)
     seen = key_pos <= hi
-    kb, vb = _load_kv(k, v, _kv_offsets(page_row, key_pos, page_size, stride_page, stride_slot, seen), seen, D)
+    kb, vb = _load_kv(k, v, _kv_offsets(page_row, key_pos, page_size, stride_page, stride_slot, seen, PAGE_SHIFT),
+                      seen, D)
     return kb, vb, key_pos
 
 
 @triton.jit
 def _chunk_state(q, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
                  ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
-                 SWAP: tl.constexpr):
+                 SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr):
     """State of rows `q` (positions `pos`, largest `hi`) over one chunk of keys: from empty, blocks in
     increasing order. Keys past `hi` are neither visited nor loaded."""
     m, l, acc = _empty_state(ROWS, D, SWAP)
     start = chunk * KV_CHUNK
     for lo in range(start, tl.minimum(start + KV_CHUNK, hi + 1), KV_BLOCK):
         kb, vb, key_pos = _block_kv(k, v, page_row, lo // KV_BLOCK, hi, page_size, stride_page, stride_slot,
-                                    KV_BLOCK, D)
+                                    KV_BLOCK, D, PAGE_SHIFT)
         m, l, acc = _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK, SWAP)
     # every column (SWAP: row) of l holds the same value, so the max reads it exactly
     return m, _row_max(l, SWAP), acc
@@ -369,7 +377,8 @@ def _merge(m, l, acc, m_c, l_c, acc_c, SWAP: tl.constexpr):
 @triton.jit
 def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale, k_desc, v_desc,
                desc_row, desc_col, ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr,
-               KV_CHUNK: tl.constexpr, PREFETCH: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr):
+               KV_CHUNK: tl.constexpr, PREFETCH: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
+               PAGE_SHIFT: tl.constexpr = -1):
     """State of rows `q` (positions `pos`, largest `hi`) over all their keys, merged chunk by chunk:
     _chunk_state's folds and _merge's chunk merges in one software-pipelined loop over the blocks (a
     loop per chunk would restart the pipeline at every chunk). The chunk state folds blocks in
@@ -395,18 +404,21 @@ def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, 
             if (blk + 1) % (KV_CHUNK // KV_BLOCK) == 0:
                 m, l, acc = _merge(m, l, acc, m_c, _row_max(l_c, SWAP), acc_c, SWAP)
                 m_c, l_c, acc_c = _empty_state(ROWS, D, SWAP)
-        kb, vb, key_pos = _block_kv(k, v, page_row, last, hi, page_size, stride_page, stride_slot, KV_BLOCK, D)
+        kb, vb, key_pos = _block_kv(k, v, page_row, last, hi, page_size, stride_page, stride_slot, KV_BLOCK, D,
+                                    PAGE_SHIFT)
         m_c, l_c, acc_c = _fold_block(q, kb, vb, key_pos, pos, m_c, l_c, acc_c, qk_scale, KV_BLOCK, SWAP)
         return _merge(m, l, acc, m_c, _row_max(l_c, SWAP), acc_c, SWAP)
     if PREFETCH:
-        kb_n, vb_n, key_n = _block_kv(k, v, page_row, 0, hi, page_size, stride_page, stride_slot, KV_BLOCK, D)
+        kb_n, vb_n, key_n = _block_kv(k, v, page_row, 0, hi, page_size, stride_page, stride_slot, KV_BLOCK, D,
+                                      PAGE_SHIFT)
     for blk in range(0, last + 1):
         if PREFETCH:  # this block's K/V were loaded into registers during the last block; the next's now
             kb, vb, key_pos = kb_n, vb_n, key_n
             kb_n, vb_n, key_n = _block_kv(k, v, page_row, blk + 1, hi, page_size, stride_page, stride_slot,
-                                          KV_BLOCK, D)
+                                          KV_BLOCK, D, PAGE_SHIFT)
         else:  # Triton's pipeliner schedules the loads (num_stages)
-            kb, vb, key_pos = _block_kv(k, v, page_row, blk, hi, page_size, stride_page, stride_slot, KV_BLOCK, D)
+            kb, vb, key_pos = _block_kv(k, v, page_row, blk, hi, page_size, stride_page, stride_slot, KV_BLOCK, D,
+                                        PAGE_SHIFT)
         m_c, l_c, acc_c = _fold_block(q, kb, vb, key_pos, pos, m_c, l_c, acc_c, qk_scale, KV_BLOCK, SWAP)
         if ((blk + 1) % (KV_CHUNK // KV_BLOCK) == 0) | (blk == last):
             # every column (SWAP: row) of l_c holds the same value, so the max reads it exactly
@@ -470,10 +482,10 @@ def _prefill_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stri
 @triton.jit
 def _walk(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale, out, lse, idx, keep,
           ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
-          PREFETCH: tl.constexpr, SWAP: tl.constexpr):
+          PREFETCH: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr):
     """A decode program's whole walk of its (sequence, kv head): _row_state, then the rows stored."""
     m, l, acc = _row_state(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
-                           None, None, 0, 0, ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH, SWAP, False)
+                           None, None, 0, 0, ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH, SWAP, False, PAGE_SHIFT)
     _store_rows(out, lse, idx, keep, m, l, acc, D, SWAP)
 
 
@@ -483,7 +495,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          n_chunks, n_walks, per_split, GROUP: tl.constexpr, ROWS: tl.constexpr,
                          MERGE_ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                          WALKS: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
-                         FROM_LENS: tl.constexpr, SWAP: tl.constexpr):
+                         FROM_LENS: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr):
     """Single-query sequences, each (sequence, kv head) pair's rows the group's query heads. A grid
     with splits is 1-D: programs 0 .. n_walks - 1 walk pairs 0 .. n_walks - 1 whole, and each later
     pair is split across per_split programs (P); a grid of walks only is (1, kv heads, sequences). A walk runs as a prefill tile does (_row_state: its chunk states
@@ -524,12 +536,12 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     k, v, page_row = k + kv_head * stride_head, v + kv_head * stride_head, page_table + seq * stride_table
     if WALKS and not SPLITS:  # (a grid of walks only: no branch around the walk)
         _walk(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale, out, lse,
-              tok * n_heads + head, keep, ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH, SWAP)
+              tok * n_heads + head, keep, ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH, SWAP, PAGE_SHIFT)
         return
     if WALKS and SPLITS:
         if walking:
             _walk(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale, out, lse,
-                  tok * n_heads + head, keep, ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH, SWAP)
+                  tok * n_heads + head, keep, ROWS, D, KV_BLOCK, KV_CHUNK, PREFETCH, SWAP, PAGE_SHIFT)
             return
     if SPLITS:
         # the split pairs' states and tickets, from the first split pair's
@@ -541,7 +553,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
         # of three, and ran 0.91-0.97x the sixteenth session's kernel at batch 16-64 in an A/B)
         for chunk in range(p, n_need, per_split):
             m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot,
-                                     qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP)
+                                     qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT)
             slot = first + chunk * GROUP
             tl.store(part_m + slot, m, mask=keep)
             tl.store(part_l + slot, l, mask=keep)
@@ -1528,7 +1540,14 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
         *_page_args(keys), q.shape[1], qk_scale, n_chunks, walks, per_split, GROUP=group,
         ROWS=decode_rows(group, d), MERGE_ROWS=triton.next_power_of_2(group), D=d, KV_BLOCK=KV_BLOCK,
         KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"], FROM_LENS=queries.from_lens,
-        SWAP=swapped, num_warps=cfg["num_warps"], num_stages=stages)
+        SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size), num_warps=cfg["num_warps"], num_stages=stages)
+
+
+def decode_page_shift(page_size: int) -> int:
+    """The decode kernel's PAGE_SHIFT: log2 of a power-of-two page size (vLLM's 16; a packed or padded
+    K/V's _LINEAR_PAGE), else -1 (a division, e.g. a 48-key page). The twenty-fourth session (H200,
+    CUDA graphs, 16-key pages, bits equal): 1.01-1.06x the division at batch 1-256."""
+    return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
 
 def _decode_grid(pairs: int, n_chunks: int, sms: int, cfg: dict) -> tuple[int, int, int]:
