@@ -498,16 +498,16 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          FROM_LENS: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr):
     """Single-query sequences, each (sequence, kv head) pair's rows the group's query heads. A grid
     with splits is 1-D: programs 0 .. n_walks - 1 walk pairs 0 .. n_walks - 1 whole, and each later
-    pair is split across per_split programs (P); a grid of walks only is (1, kv heads, sequences). A walk runs as a prefill tile does (_row_state: its chunk states
-    merged in registers, the same operations in the same order). Split program p of a pair stores
-    the states of chunks p, p + P, p + 2P, ...; the last of the pair's programs to finish merges every
-    chunk's state in chunk order and stores the rows (one launch per decode step). Which program
-    computes a chunk, and how the walks and splits share the grid, move no bit. The launcher sets
-    n_walks and P from the batch, never the cache length, so a grid sized for the longest sequence
-    (a CUDA graph's) costs no idle programs. WALKS / SPLITS: whether the grid holds any walk / any
-    split (a kernel of one kind holds only its path). SWAP: the tile's dots run with their operands
-    swapped (_fold_block): the group's heads are the N side of the MMA, padded to ROWS = 16 rather
-    than 64."""
+    pair is split across per_split programs (P); a grid of walks only is (1, kv heads, sequences). A
+    walk runs as a prefill tile does (_row_state: its chunk states merged in registers, the same
+    operations in the same order). Split program p of a pair stores the states of chunks p, p + P,
+    p + 2P, ...; the last of the pair's programs to finish merges every chunk's state in chunk order
+    and stores the rows (one launch per decode step). Which program computes a chunk, and how the
+    walks and splits share the grid, move no bit. The launcher sets n_walks and P from the batch,
+    never the cache length, so a grid sized for the longest sequence (a CUDA graph's) costs no idle
+    programs. WALKS / SPLITS: whether the grid holds any walk / any split (a kernel of one kind holds
+    only its path). SWAP: the tile's dots run with their operands swapped (_fold_block): the group's
+    heads are the N side of the MMA, padded to ROWS = 16 rather than 64. PAGE_SHIFT: _kv_offsets'."""
     if SPLITS:
         pid = tl.program_id(0)
         n_kv = n_heads // GROUP
@@ -579,8 +579,9 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                     at = first_g + c * GROUP
                     here = c < n_need
                     acc_c = tl.load(part_acc + _tile_offsets(at, D, False), mask=here, other=0.0, cache_modifier=".cg")
-                    m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, tl.load(part_m + at, mask=here, other=0.0, cache_modifier=".cg"),
-                                             tl.load(part_l + at, mask=here, other=0.0, cache_modifier=".cg"), acc_c, False)
+                    m_c = tl.load(part_m + at, mask=here, other=0.0, cache_modifier=".cg")
+                    l_c = tl.load(part_l + at, mask=here, other=0.0, cache_modifier=".cg")
+                    m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_c, l_c, acc_c, False)
                     m_t, l_t, acc_t = tl.where(here, m_n, m_t), tl.where(here, l_n, l_t), tl.where(here, acc_n, acc_t)
             _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False)
 
