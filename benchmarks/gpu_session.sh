@@ -48,6 +48,8 @@
 #   sweep_support sweep_logp.py support: the support kernel's warps x slots against the reference's expression
 #   probe_limits benchmarks/probe_limits.py $PROBE_ARGS (default logp decode: linear-logp's weight traffic at
 #               T = 256, decode programs a pair forced)
+#   probe_decode benchmarks/probe_decode.py $PROBE_ARGS (a timeline of the split decode path's programs: where a
+#               small batch's step waits; default batch 1 and 16 at 1k / 4k / 16k keys)
 #   sweep_gemm_column benchmarks/sweep_gemm.py --column (tiles up to 256 rows, swapped ones too, on qkv and gate_up;
 #               bits checked against the table's kernel)
 #   sweep_gemm_large benchmarks/sweep_gemm.py --large (warp-specialised tiles vs the table at M = 256 .. 4096 on
@@ -155,6 +157,8 @@ for stage in "$@"; do
              tail -14 "$OUT/sweep_support.log" ;;
     probe_limits) link_lockstep; timeout 400 python3 benchmarks/probe_limits.py ${PROBE_ARGS:-logp decode} \
                > "$OUT/probe_limits.log" 2>&1; tail -30 "$OUT/probe_limits.log" ;;
+    probe_decode) link_lockstep; timeout 300 python3 benchmarks/probe_decode.py ${PROBE_ARGS:-} \
+               > "$OUT/probe_decode.log" 2>&1; tail -30 "$OUT/probe_decode.log" ;;
     logp)    link_lockstep; timeout 300 python3 benchmarks/bench_logp.py > "$OUT/logp.log" 2>&1; tail -30 "$OUT/logp.log" ;;
     kernels) link_lockstep; timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
     *)       echo "unknown stage $stage"; rc=2 ;;

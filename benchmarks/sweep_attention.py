@@ -75,6 +75,9 @@ CANDIDATES = {
     # one-program walk TUNING["decode"]["WALK_STAGES"] already applies where it costs no wave, so these
     # time it elsewhere too (RESULTS.md, twenty-third session)
     + [dict(SWAP=True, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (4, 5, 6) for n in (1, 2, 3)]
+    # the heads padded to 64 rows on deeper rings: a longer MMA, but a block's maxima within each warp
+    # and P in registers (no shared-memory round trip), for the smallest batches' chains
+    + [dict(SWAP=False, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (2, 3, 4) for n in (1, 2)]
     # the last, part-full wave's pairs split across programs (SPLIT_TAIL) or walked whole; WALK_PER_SM=1
     # keeps the walks off the deeper ring (_walk_fits), so batches that take it time the split tail
     + [dict(SPLIT_TAIL=t, WALK_PER_SM=w) for t, w in ((False, 2), (True, 1), (False, 1))],

@@ -375,13 +375,17 @@ def test_decode_grid_splits_its_last_waves_pairs_with_the_walks_bits(triton_back
 
 
 def test_decode_grid_rule_on_an_h200():
-    """The decode grid at Qwen3-8B's 8 kv heads on an H200's 132 SMs (3 programs an SM: 396 slots)."""
+    """The decode grid at Qwen3-8B's 8 kv heads on an H200's 132 SMs (3 programs an SM: 396 slots;
+    a grid of splits alone 2 an SM on its deeper ring, 264 slots, where each pair still splits)."""
     from lockstep.kernels._triton import attention as A
 
     cfg = A.TUNING["decode"]
+    assert (cfg["SPLIT_STAGES"], cfg["SPLIT_PER_SM"]) == (3, 2)
     grid = lambda batch, keys: A._decode_grid(batch * 8, -(-keys // A.KV_CHUNK), 132, cfg)  # noqa: E731
-    assert grid(1, 16384) == (0, 49, 2) and grid(1, 1024) == (0, 4, 2)  # one wave of splits, at most a chunk each
-    assert grid(16, 4096) == (0, 3, 2)
+    assert grid(1, 16384) == (0, 33, 3) and grid(1, 1024) == (0, 4, 3)  # one wave of splits, at most a chunk each
+    assert grid(16, 4096) == (0, 2, 3)
+    assert grid(20, 4096) == (0, 2, 2) and grid(24, 4096) == (0, 2, 2)  # 1 a pair on the deeper ring: the table's
+    assert grid(25, 4096) == (200, 1, cfg["WALK_STAGES"])
     assert grid(64, 4096) == (512, 1, cfg["WALK_STAGES"])  # walks whose deeper ring costs no wave
     assert grid(128, 1024) == (1024, 1, 2)  # a last wave of 232 walks: too full to split
     assert grid(256, 1024) == (1980, 4, 2) and grid(256, 16384) == (1980, 5, 2)  # 68 pairs split 4 / 5 ways
@@ -457,6 +461,11 @@ decode = {f"{'swapped' if swap else 'padded'}{kind}{' deep' if deep else ''}":
                        cfg["WALK_STAGES" if deep else "num_stages"])
           for swap in (True, False) for kind in kinds
           for deep in ((False, True) if swap and kind == " in registers" else (False,))}
+# a grid of splits alone on its deeper ring
+decode["swapped split deep"] = compile_sm90(
+    A._decode_chunk_kernel, types, dict(ROWS=16, MERGE_ROWS=4, WALKS=False, SPLITS=True, FROM_LENS=True,
+                                        PREFETCH=cfg["PREFETCH"], SWAP=True, PAGE_SHIFT=A.decode_page_shift(16),
+                                        **common), cfg["num_warps"], cfg["SPLIT_STAGES"])
 print(json.dumps([prefill, linear, gluon, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, decode]))
 """
 
@@ -493,7 +502,7 @@ def test_decode_and_prefill_multiply_with_wgmma():
         assert d["spill_bytes"] <= (0 if name.startswith("swapped") else 16), (name, d)
     for name in ("padded", "padded in registers"):
         assert decode[name]["mma"] == prefill["mma"], f"prefill MMAs {prefill['mma']} != decode ({name}) {decode[name]['mma']}"
-    for name in ("swapped", "swapped in registers", "swapped in registers deep", "swapped mixed"):
+    for name in ("swapped", "swapped in registers", "swapped in registers deep", "swapped mixed", "swapped split deep"):
         assert decode[name]["mma"] == [["3", "[16, 16, 16]"]], (name, decode[name])
         assert decode[name]["regs"] <= 160, (name, decode[name])
     # the programs an SM that the decode grid and the walk's ring rule count on are what fits
@@ -504,6 +513,7 @@ def test_decode_and_prefill_multiply_with_wgmma():
     assert per_block // decode["swapped in registers"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode
     assert per_block // decode["swapped mixed"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode
     assert per_block // decode["swapped in registers deep"]["shared_bytes"] == cfg["WALK_PER_SM"], decode
+    assert per_block // decode["swapped split deep"]["shared_bytes"] == cfg["SPLIT_PER_SM"], decode
     # the prefill tile holds the next block's K/V in registers (TUNING["prefill"]["PREFETCH"]): the
     # measured winner spills 8 bytes on packed sequences and 68 on the paged layout (probed here);
     # more would mean the table no longer fits the tile
@@ -666,20 +676,24 @@ def test_gpu_paged_prefill_takes_the_gluon_forward_with_the_training_bits(gpu_tr
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("swap", [True, False], ids=["swapped", "padded"])
-@pytest.mark.parametrize("per_sm,walk_stages", [(16, None), (0, None), (0, 2), (None, None)],
-                         ids=["split", "one-program", "one-program-2-stages", "walks-and-split-tail"])
-def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, per_sm, walk_stages):
+@pytest.mark.parametrize("per_sm,walk_stages,split_per_sm", [(16, None, 16), (16, None, 0), (0, None, None),
+                                                             (0, 2, None), (None, None, None)],
+                         ids=["split", "split-2-stages", "one-program", "one-program-2-stages", "walks-and-split-tail"])
+def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, per_sm, walk_stages, split_per_sm):
     """Decode tiles at Qwen3-8B heads (bf16, head_dim 128, group 4), with the dots' operands swapped
     (the heads as wgmma's N side) or the heads padded to 64 rows, a sequence's chunks split across
     programs (merged through memory) or walked by one program (merged in registers; its ring the
     table's WALK_STAGES deep, as the ~50 x 8 walks here take it, or 2), or both in one grid (a wave's
     slots fewer than the pairs: the last wave's pairs split): each decoded token's output equals its
-    training output, bit for bit, at positions across blocks and chunks."""
+    training output, bit for bit, at positions across blocks and chunks. A grid of splits alone runs
+    on the SPLIT_STAGES ring, or (SPLIT_PER_SM 0) on the table's."""
     from lockstep.kernels._triton import attention as A
 
     cfg = {**A.TUNING["decode"], "SWAP": swap, "PROGRAMS_PER_SM": per_sm}
     if walk_stages is not None:
         cfg["WALK_STAGES"] = walk_stages
+    if split_per_sm is not None:
+        cfg["SPLIT_PER_SM"] = split_per_sm
     lens = [3000, 1500, 700, 257, 64]  # 3,000 keys: 12 chunks, merged in two steps of _MERGE_AHEAD loads
     q, k, v, cu = _packed(lens, 32, 8, 128, torch.bfloat16, "cuda")
     train = K.varlen_attention(q, k, v, cu)
@@ -705,6 +719,7 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
         assert 0 < walks < pairs and per_split > 1, (walks, per_split, pairs)
     elif per_sm:
         assert walks == 0 and per_split > 1, (walks, per_split)
+        assert stages == cfg["SPLIT_STAGES" if split_per_sm else "num_stages"], stages
     else:
         assert walks == pairs and stages == cfg["WALK_STAGES"], "the walk should take WALK_STAGES here"
     out = K.causal_attention(q[rows][:, None], k_b, v_b, pos)[:, 0]

@@ -137,8 +137,15 @@ TUNING = {
     # it): batch 256 at 1k / 4k / 16k keys 0.954 / 0.957 / 0.956x (68 pairs split 4 / 5 / 5 ways),
     # batch 72 / 100 / 200 at 4k 0.914 / 0.815 / 0.922x; at batch 64 (the deeper ring's batch) the
     # split tail on the table's ring was even with the deeper walks (1k 0.97x, 4k 1.00x, 32k 1.01x)
+    # SPLIT_STAGES: a grid of splits alone (no walk) takes this deeper ring, SPLIT_PER_SM programs an
+    # SM (104 KB each at 3 stages), where its pairs still split at least 2 ways under it: batches of
+    # 1-16 at Qwen3-8B's 8 kv heads on an H200 (a chunk's page entries are loaded before its blocks,
+    # _chunk_pages, so the deeper ring takes each block's K/V loads a block further ahead). The
+    # twenty-fifth session (H200, CUDA graphs, bits equal, against the table's 2 stages and 3 an SM):
+    # batch 1 at 1k / 4k / 16k keys 1.06 / 1.10 / 1.00x, batch 16 1.10 / 1.05 / 1.02x; 4 stages (one
+    # program an SM) read 1.04 / 1.13 / 0.88x and 1.18 / 1.01 / 0.95x
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
-                   WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True),
+                   WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
@@ -349,6 +356,40 @@ def _block_kv(k, v, page_row, blk, hi, page_size, stride_page, stride_slot, KV_B
 
 
 @triton.jit
+def _chunk_pages(page_row, start, hi, KV_CHUNK: tl.constexpr, PAGE_SHIFT: tl.constexpr):
+    """The page-table entries of the chunk of keys from `start` (a multiple of KV_CHUNK), loaded once
+    before its blocks: with PAGE_SHIFT >= 0 (pages of 2^PAGE_SHIFT keys, so that a chunk spans
+    max(1, KV_CHUNK >> PAGE_SHIFT) whole pages, or lies inside one) their vector, the entries past
+    hi's page read as 0; else None (_chunk_block_kv then reads the table a block at a time). Read
+    in the loop instead, a block's entries were a load that its K/V addresses waited on, which
+    Triton's pipeliner issued after the block before's dots: two memory round trips a block."""
+    if PAGE_SHIFT >= 0:
+        NP: tl.constexpr = max(1, KV_CHUNK >> PAGE_SHIFT)
+        j = tl.arange(0, NP) + (start >> PAGE_SHIFT)
+        pages = tl.load(page_row + j, mask=j <= (hi >> PAGE_SHIFT), other=0)
+    else:
+        pages = None
+    return pages
+
+
+@triton.jit
+def _chunk_block_kv(k, v, page_row, pages, start, lo, hi, page_size, stride_page, stride_slot,
+                    KV_BLOCK: tl.constexpr, D: tl.constexpr, PAGE_SHIFT: tl.constexpr):
+    """_block_kv's K/V and key positions for the block from key `lo` of the chunk from `start`, its
+    pages from _chunk_pages: the same keys from the same addresses."""
+    if PAGE_SHIFT >= 0:
+        key_pos = lo + tl.arange(0, KV_BLOCK)
+        seen = key_pos <= hi
+        page = tl.gather(pages, (key_pos - start) >> PAGE_SHIFT, 0)
+        offsets = page.to(tl.int64) * stride_page + (key_pos & ((1 << PAGE_SHIFT) - 1)).to(tl.int64) * stride_slot
+        kb, vb = _load_kv(k, v, offsets, seen, D)
+    else:
+        kb, vb, key_pos = _block_kv(k, v, page_row, lo // KV_BLOCK, hi, page_size, stride_page, stride_slot,
+                                    KV_BLOCK, D, PAGE_SHIFT)
+    return kb, vb, key_pos
+
+
+@triton.jit
 def _chunk_state(q, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
                  ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                  SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr):
@@ -356,9 +397,10 @@ def _chunk_state(q, pos, hi, chunk, k, v, page_row, page_size, stride_page, stri
     increasing order. Keys past `hi` are neither visited nor loaded."""
     m, l, acc = _empty_state(ROWS, D, SWAP)
     start = chunk * KV_CHUNK
+    pages = _chunk_pages(page_row, start, hi, KV_CHUNK, PAGE_SHIFT)
     for lo in range(start, tl.minimum(start + KV_CHUNK, hi + 1), KV_BLOCK):
-        kb, vb, key_pos = _block_kv(k, v, page_row, lo // KV_BLOCK, hi, page_size, stride_page, stride_slot,
-                                    KV_BLOCK, D, PAGE_SHIFT)
+        kb, vb, key_pos = _chunk_block_kv(k, v, page_row, pages, start, lo, hi, page_size, stride_page, stride_slot,
+                                          KV_BLOCK, D, PAGE_SHIFT)
         m, l, acc = _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK, SWAP)
     # every column (SWAP: row) of l holds the same value, so the max reads it exactly
     return m, _row_max(l, SWAP), acc
@@ -627,30 +669,38 @@ def _load_rows_to_shared(src, tile_row0, begin, n_queries, kv_head, n_heads, dst
 @gluon.jit
 def _ws_producer(k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows, head_row,
                  col, hi, row_hi, last, STAGES: gl.constexpr):
-    """Blocks 0 .. last of the tile's keys, in order, into the ring (a slot refilled once both
-    consumers freed it), each as BOX-key boxes of one page: a box whose keys are all at or before hi
-    through k_all/v_all (the whole K/V), hi's box and those after it through k_end/v_end (ending at
-    hi's row, row_hi: the keys past hi read as zeros; a box past hi lies wholly past it). A linear
-    K/V passes k_end/v_end as k_all/v_all too: its rows up to row_hi are every key up to hi."""
+    """Blocks 0 .. last of the tile's keys, in order, into the ring (_ws_load_block)."""
+    for blk in range(0, last + 1):
+        _ws_load_block(k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
+                       head_row, col, hi, row_hi, blk, blk, STAGES)
+
+
+@gluon.jit
+def _ws_load_block(k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows, head_row,
+                   col, hi, row_hi, blk, step, STAGES: gl.constexpr):
+    """Key block blk into the ring as its step-th block (a slot refilled once its consumers freed
+    it), as BOX-key boxes of one page: a box whose keys are all at or before hi through k_all/v_all
+    (the whole K/V), hi's box and those after it through k_end/v_end (ending at hi's row, row_hi:
+    the keys past hi read as zeros; a box past hi lies wholly past it). A linear K/V passes
+    k_end/v_end as k_all/v_all too: its rows up to row_hi are every key up to hi."""
     BOX: gl.constexpr = k_all.block_type.shape[0]
     KV_BLOCK: gl.constexpr = k_smem.shape[1]
-    for blk in range(0, last + 1):
-        st = blk % STAGES
-        mbarrier.wait(empty.index(st), ((blk // STAGES) & 1) ^ 1)  # (a slot's first use passes at once)
-        bar = ready.index(st)
-        mbarrier.expect(bar, 2 * (KV_BLOCK // BOX) * k_all.block_type.nbytes)
-        for j in gl.static_range(KV_BLOCK // BOX):
-            key = blk * KV_BLOCK + j * BOX
-            k_box = k_smem.index(st).slice(j * BOX, BOX)
-            v_box = v_smem.index(st).slice(j * BOX, BOX)
-            if key + BOX - 1 <= hi:
-                row = gl.load(page_row + key // page_size) * page_rows + head_row + key % page_size
-                tma.async_copy_global_to_shared(k_all, [row, col], bar, k_box)
-                tma.async_copy_global_to_shared(v_all, [row, col], bar, v_box)
-            else:
-                row = row_hi + 1 + gl.minimum(key - hi - 1, 0)
-                tma.async_copy_global_to_shared(k_end, [row, col], bar, k_box)
-                tma.async_copy_global_to_shared(v_end, [row, col], bar, v_box)
+    st = step % STAGES
+    mbarrier.wait(empty.index(st), ((step // STAGES) & 1) ^ 1)  # (a slot's first use passes at once)
+    bar = ready.index(st)
+    mbarrier.expect(bar, 2 * (KV_BLOCK // BOX) * k_all.block_type.nbytes)
+    for j in gl.static_range(KV_BLOCK // BOX):
+        key = blk * KV_BLOCK + j * BOX
+        k_box = k_smem.index(st).slice(j * BOX, BOX)
+        v_box = v_smem.index(st).slice(j * BOX, BOX)
+        if key + BOX - 1 <= hi:
+            row = gl.load(page_row + key // page_size) * page_rows + head_row + key % page_size
+            tma.async_copy_global_to_shared(k_all, [row, col], bar, k_box)
+            tma.async_copy_global_to_shared(v_all, [row, col], bar, v_box)
+        else:
+            row = row_hi + 1 + gl.minimum(key - hi - 1, 0)
+            tma.async_copy_global_to_shared(k_end, [row, col], bar, k_box)
+            tma.async_copy_global_to_shared(v_end, [row, col], bar, v_box)
 
 
 @gluon.jit
@@ -1557,7 +1607,8 @@ def _decode_grid(pairs: int, n_chunks: int, sms: int, cfg: dict) -> tuple[int, i
     later pair per_split programs. A wave holds PROGRAMS_PER_SM programs an SM (its slots):
     - fewer pairs than slots: each pair's chunks split across as many programs as make one wave, at
       most one a chunk (a second, part-full wave of a program's whole walk costs more than the split
-      saves); one program a pair where the batch alone fills the wave;
+      saves), on the deeper SPLIT_STAGES ring (SPLIT_PER_SM an SM) where that still splits each pair,
+      else on the table's; one program a pair where the batch alone fills the wave;
     - more pairs than slots: one program a pair on the deeper WALK_STAGES ring where _walk_fits, else
       on the table's, and with SPLIT_TAIL the pairs of the last, part-full wave split across as many
       programs as fill it (one wave of short programs where each of that wave's walks would have run
@@ -1568,6 +1619,9 @@ def _decode_grid(pairs: int, n_chunks: int, sms: int, cfg: dict) -> tuple[int, i
     if slots == 0:  # (0 programs an SM asks for one program a pair)
         return walk
     if pairs <= slots:
+        deep_split = min(n_chunks, cfg["SPLIT_PER_SM"] * sms // pairs)
+        if deep_split > 1:
+            return 0, deep_split, cfg["SPLIT_STAGES"]
         per_split = min(n_chunks, slots // pairs)
         return walk if per_split <= 1 else (0, per_split, cfg["num_stages"])
     tail = pairs % slots
