@@ -78,8 +78,6 @@ CANDIDATES = {
     # the heads padded to 64 rows on deeper rings: a longer MMA, but a block's maxima within each warp
     # and P in registers (no shared-memory round trip), for the smallest batches' chains
     + [dict(SWAP=False, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (2, 3, 4) for n in (1, 2)]
-    # a grid of splits alone as the warp-specialised Gluon kernel (_decode_ws_kernel), or the tl one
-    + [dict(GLUON=True, GLUON_STAGES=s, GLUON_PER_SM=1) for s in (3, 4, 5)] + [dict(GLUON=False)]
     # the last, part-full wave's pairs split across programs (SPLIT_TAIL) or walked whole; WALK_PER_SM=1
     # keeps the walks off the deeper ring (_walk_fits), so batches that take it time the split tail
     + [dict(SPLIT_TAIL=t, WALK_PER_SM=w) for t, w in ((False, 2), (True, 1), (False, 1))],

@@ -674,23 +674,11 @@ def test_gpu_paged_prefill_takes_the_gluon_forward_with_the_training_bits(gpu_tr
     assert not differ.any(), f"chunked prefill / decode: {int(differ.sum())} tokens differ from training"
 
 
-class _Recorded:
-    """A kernel whose launches (kernel[grid](...)) add its name to `log`."""
-
-    def __init__(self, kernel, name: str, log: list):
-        self.kernel, self.name, self.log = kernel, name, log
-
-    def __getitem__(self, grid):
-        self.log.append(self.name)
-        return self.kernel[grid]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("swap", [True, False], ids=["swapped", "padded"])
-@pytest.mark.parametrize("per_sm,walk_stages,split_per_sm", [(16, None, 16), (16, None, 0), (16, None, "gluon"),
-                                                             (0, None, None), (0, 2, None), (None, None, None)],
-                         ids=["split", "split-2-stages", "split-gluon", "one-program", "one-program-2-stages",
-                              "walks-and-split-tail"])
+@pytest.mark.parametrize("per_sm,walk_stages,split_per_sm", [(16, None, 16), (16, None, 0), (0, None, None),
+                                                             (0, 2, None), (None, None, None)],
+                         ids=["split", "split-2-stages", "one-program", "one-program-2-stages", "walks-and-split-tail"])
 def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, per_sm, walk_stages, split_per_sm):
     """Decode tiles at Qwen3-8B heads (bf16, head_dim 128, group 4), with the dots' operands swapped
     (the heads as wgmma's N side) or the heads padded to 64 rows, a sequence's chunks split across
@@ -698,19 +686,13 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
     table's WALK_STAGES deep, as the ~50 x 8 walks here take it, or 2), or both in one grid (a wave's
     slots fewer than the pairs: the last wave's pairs split): each decoded token's output equals its
     training output, bit for bit, at positions across blocks and chunks. A grid of splits alone runs
-    on the SPLIT_STAGES ring, or (SPLIT_PER_SM 0) on the table's, or ("gluon") as the warp-specialised
-    _decode_ws_kernel (its tile is the padded one, whatever SWAP says)."""
+    on the SPLIT_STAGES ring, or (SPLIT_PER_SM 0) on the table's."""
     from lockstep.kernels._triton import attention as A
 
-    gluon = split_per_sm == "gluon"
-    if gluon and not swap:
-        pytest.skip("the Gluon split decode has one tile: the swapped case runs it")
-    cfg = {**A.TUNING["decode"], "SWAP": swap, "PROGRAMS_PER_SM": per_sm, "GLUON": gluon}
+    cfg = {**A.TUNING["decode"], "SWAP": swap, "PROGRAMS_PER_SM": per_sm}
     if walk_stages is not None:
         cfg["WALK_STAGES"] = walk_stages
-    if gluon:
-        cfg["GLUON_PER_SM"] = per_sm
-    elif split_per_sm is not None:
+    if split_per_sm is not None:
         cfg["SPLIT_PER_SM"] = split_per_sm
     lens = [3000, 1500, 700, 257, 64]  # 3,000 keys: 12 chunks, merged in two steps of _MERGE_AHEAD loads
     q, k, v, cu = _packed(lens, 32, 8, 128, torch.bfloat16, "cuda")
@@ -732,22 +714,15 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
         cfg.update(PROGRAMS_PER_SM=pairs // sms, WALK_PER_SM=1, SPLIT_TAIL=True)
     monkeypatch.setitem(A.TUNING, "decode", cfg)
     assert A.decode_swapped(128) == swap
-    walks, per_split, stages = A._decode_grid(pairs, 12, sms, cfg, gluon)  # 3,000 keys: 12 chunks
+    walks, per_split, stages = A._decode_grid(pairs, 12, sms, cfg)  # 3,000 keys: 12 chunks
     if per_sm is None:
         assert 0 < walks < pairs and per_split > 1, (walks, per_split, pairs)
     elif per_sm:
         assert walks == 0 and per_split > 1, (walks, per_split)
-        assert stages == cfg["GLUON_STAGES" if gluon else "SPLIT_STAGES" if split_per_sm else "num_stages"], stages
+        assert stages == cfg["SPLIT_STAGES" if split_per_sm else "num_stages"], stages
     else:
         assert walks == pairs and stages == cfg["WALK_STAGES"], "the walk should take WALK_STAGES here"
-    launched = []
-    if gluon:  # the warp-specialised kernel, and only it, takes the decode
-        launches = {name: getattr(A, name) for name in ("_decode_ws_kernel", "_decode_chunk_kernel")}
-        for name, kernel in launches.items():
-            monkeypatch.setattr(A, name, _Recorded(kernel, name, launched))
     out = K.causal_attention(q[rows][:, None], k_b, v_b, pos)[:, 0]
-    if gluon:
-        assert launched == ["_decode_ws_kernel"], launched
     differ = (out != train[rows]).flatten(1).any(1)
     assert not differ.any(), f"decoded tokens differ from training at (sequence, position) " \
                              f"{[picks[i] for i in differ.nonzero().flatten().tolist()]}"
