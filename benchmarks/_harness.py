@@ -96,7 +96,7 @@ def measure(fn, warmup: int = 5, iters: int = 20) -> Measure:
     return Measure(sorted(times)[len(times) // 2], extra)
 
 
-def _graph_of(fn, calls: int) -> torch.cuda.CUDAGraph:
+def graph_of(fn, calls: int) -> torch.cuda.CUDAGraph:
     """A CUDA graph of `calls` back-to-back fn() calls; warm-up (compilation, library handles) runs
     off the capture stream first."""
     side = torch.cuda.Stream()
@@ -116,7 +116,7 @@ def graph_ms_per_call(fn, calls: int = 10) -> float:
     """Median milliseconds of one fn() call, replayed from a CUDA graph of `calls` back-to-back
     calls: times the kernels rather than Python launch overhead (a decode-sized call takes a few
     microseconds)."""
-    graph = _graph_of(fn, calls)
+    graph = graph_of(fn, calls)
     ms = measure(graph.replay).ms / calls
     del graph
     return ms
@@ -127,7 +127,7 @@ def paired_graph_ms(baseline, ours, calls: int = 10, rounds: int = 5) -> tuple[f
     `rounds` alternating turns (baseline, ours, baseline, ...) and the median turn of each side
     kept: a drift of the GPU's clocks or of its neighbours during the measurement falls on both
     sides instead of on whichever side happened to run then."""
-    graphs = _graph_of(baseline, calls), _graph_of(ours, calls)
+    graphs = graph_of(baseline, calls), graph_of(ours, calls)
     turns: tuple[list, list] = ([], [])
     for _ in range(rounds):
         for graph, times in zip(graphs, turns):

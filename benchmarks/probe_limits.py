@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _harness import PowerLog, _graph_of, measure, paired_graph_ms  # noqa: E402
+from _harness import PowerLog, graph_of, measure, paired_graph_ms  # noqa: E402
 from bench_logp import HIDDEN, VOCAB, _inputs, fwd_ms, fwd_pair_ms  # noqa: E402
 import lockstep.kernels as K  # noqa: E402
 from lockstep.kernels._triton._device import resident_programs  # noqa: E402
@@ -77,7 +77,7 @@ def logp() -> None:
 def _under_load(fn, seconds: float = 2.0) -> str:
     """The median SM clock and board power (_harness.PowerLog) while fn's CUDA graph replays for
     `seconds`, and fn's milliseconds a call over that time."""
-    graph = _graph_of(fn, 20)
+    graph = graph_of(fn, 20)
     graph.replay()
     torch.cuda.synchronize()
     with PowerLog() as power:
