@@ -105,15 +105,13 @@ def _traced_split_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, t
         start = chunk * KV_CHUNK
         pages = A._chunk_pages(page_row, start, hi, KV_CHUNK, PAGE_SHIFT)
         for lo in range(start, tl.minimum(start + KV_CHUNK, hi + 1), KV_BLOCK):
-            kb, vb, key_pos = A._chunk_block_kv(k, v, page_row, pages, start, lo, hi, page_size, stride_page,
-                                                stride_slot, KV_BLOCK, D, PAGE_SHIFT)
+            kb, vb, key_pos = A._block_kv(k, v, page_row, lo // KV_BLOCK, hi, page_size, stride_page, stride_slot,
+                                          KV_BLOCK, D, PAGE_SHIFT, pages, start)
             m, l, acc = A._fold_block(q_tile, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK, SWAP)
             _stamp(trace, 2 + tl.minimum(n_blk, MAX_BLOCKS_C - 1), tl.max(m, 0))
             n_blk += 1
-        slot = first + chunk * GROUP
-        tl.store(part_m + slot, m, mask=keep)
-        tl.store(part_l + slot, A._row_max(l, SWAP), mask=keep)
-        tl.store(part_acc + A._tile_offsets(slot, D, SWAP), acc, mask=A._col(keep, SWAP))
+        A._store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, A._row_max(l, SWAP), acc, D,
+                             SWAP)
     tl.store(trace + BLOCKS_C, n_blk.to(tl.int64))
     mine = (n_need - 1 - p) // per_split + 1
     tl.debug_barrier()
@@ -121,24 +119,9 @@ def _traced_split_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, t
     _stamp(trace, 2 + MAX_BLOCKS_C, ticket.to(tl.float32))
     if ticket + mine == n_need:
         tl.atomic_xchg(tickets + pair, 0, sem="relaxed", scope="gpu")
-        g = tl.arange(0, MERGE_ROWS)
-        tok_g, head_g = A._rows(g, begin, 1, kv_head, GROUP)
-        first_g = (pair * n_chunks).to(tl.int64) * GROUP + g % GROUP
-        m_t = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
-        l_t = tl.zeros((MERGE_ROWS,), tl.float32)
-        acc_t = tl.zeros((MERGE_ROWS, D), tl.float32)
-        for c_step in range(0, n_need, A._MERGE_AHEAD):  # as the table's kernel merges
-            for i in tl.static_range(A._MERGE_AHEAD):
-                c = c_step + i
-                at = first_g + c * GROUP
-                here = c < n_need
-                acc_c = tl.load(part_acc + A._tile_offsets(at, D, False), mask=here, other=0.0, cache_modifier=".cg")
-                m_c = tl.load(part_m + at, mask=here, other=0.0, cache_modifier=".cg")
-                l_c = tl.load(part_l + at, mask=here, other=0.0, cache_modifier=".cg")
-                m_n, l_n, acc_n = A._merge(m_t, l_t, acc_t, m_c, l_c, acc_c, False)
-                m_t, l_t, acc_t = tl.where(here, m_n, m_t), tl.where(here, l_n, l_t), tl.where(here, acc_n, acc_t)
-        A._store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False)
-        _stamp(trace, 3 + MAX_BLOCKS_C, tl.max(m_t, 0))
+        A._merge_chunk_states(part_m, part_l, part_acc, out, lse, pair, n_chunks, n_need, begin, kv_head, n_heads,
+                              GROUP, MERGE_ROWS, D)
+        _stamp(trace, 3 + MAX_BLOCKS_C, 0.0)
 
 
 

@@ -228,16 +228,21 @@ def _query_pos(q_pos, tok, rows, seq, n_queries, GROUP: tl.constexpr, FROM_LENS:
 
 
 @triton.jit
-def _kv_offsets(page_row, pos, page_size, stride_page, stride_slot, mask, PAGE_SHIFT: tl.constexpr = -1):
+def _kv_offsets(page_row, pos, page_size, stride_page, stride_slot, mask, PAGE_SHIFT: tl.constexpr = -1, pages=None,
+                start=0):
     """Element offsets (head 0) of the keys at positions `pos`: their page, from the sequence's row
     of the page table, then their slot in it. PAGE_SHIFT >= 0: page_size is 1 << PAGE_SHIFT, and a
     shift and a mask find the page and slot (an integer division by a runtime page_size is ~10
-    instructions a key: a quarter of decode's loop; decode_page_shift)."""
+    instructions a key: a quarter of decode's loop; decode_page_shift). pages: the entries of the
+    chunk of keys from `start` (_chunk_pages), picked from registers instead of loaded."""
     if PAGE_SHIFT >= 0:
         page_of, slot = pos >> PAGE_SHIFT, pos & ((1 << PAGE_SHIFT) - 1)
     else:
         page_of, slot = pos // page_size, pos % page_size
-    page = tl.load(page_row + page_of, mask=mask, other=0)
+    if pages is None:
+        page = tl.load(page_row + page_of, mask=mask, other=0)
+    else:
+        page = tl.gather(pages, (pos - start) >> PAGE_SHIFT, 0)
     return page.to(tl.int64) * stride_page + slot.to(tl.int64) * stride_slot
 
 
@@ -346,12 +351,13 @@ def _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK: tl.const
 
 @triton.jit
 def _block_kv(k, v, page_row, blk, hi, page_size, stride_page, stride_slot, KV_BLOCK: tl.constexpr, D: tl.constexpr,
-              PAGE_SHIFT: tl.constexpr = -1):
-    """K/V block `blk` of a sequence (keys past `hi` masked: not loaded) and its key positions."""
+              PAGE_SHIFT: tl.constexpr = -1, pages=None, start=0):
+    """K/V block `blk` of a sequence (keys past `hi` masked: not loaded) and its key positions
+    (pages, start: _kv_offsets')."""
     key_pos = blk * KV_BLOCK + tl.arange(0, KV_BLOCK)
     seen = key_pos <= hi
-    kb, vb = _load_kv(k, v, _kv_offsets(page_row, key_pos, page_size, stride_page, stride_slot, seen, PAGE_SHIFT),
-                      seen, D)
+    kb, vb = _load_kv(k, v, _kv_offsets(page_row, key_pos, page_size, stride_page, stride_slot, seen, PAGE_SHIFT,
+                                        pages, start), seen, D)
     return kb, vb, key_pos
 
 
@@ -360,7 +366,7 @@ def _chunk_pages(page_row, start, hi, KV_CHUNK: tl.constexpr, PAGE_SHIFT: tl.con
     """The page-table entries of the chunk of keys from `start` (a multiple of KV_CHUNK), loaded once
     before its blocks: with PAGE_SHIFT >= 0 (pages of 2^PAGE_SHIFT keys, so that a chunk spans
     max(1, KV_CHUNK >> PAGE_SHIFT) whole pages, or lies inside one) their vector, the entries past
-    hi's page read as 0; else None (_chunk_block_kv then reads the table a block at a time). Read
+    hi's page read as 0; else None (_kv_offsets then reads the table a block at a time). Read
     in the loop instead, a block's entries were a load that its K/V addresses waited on, which
     Triton's pipeliner issued after the block before's dots: two memory round trips a block."""
     if PAGE_SHIFT >= 0:
@@ -373,23 +379,6 @@ def _chunk_pages(page_row, start, hi, KV_CHUNK: tl.constexpr, PAGE_SHIFT: tl.con
 
 
 @triton.jit
-def _chunk_block_kv(k, v, page_row, pages, start, lo, hi, page_size, stride_page, stride_slot,
-                    KV_BLOCK: tl.constexpr, D: tl.constexpr, PAGE_SHIFT: tl.constexpr):
-    """_block_kv's K/V and key positions for the block from key `lo` of the chunk from `start`, its
-    pages from _chunk_pages: the same keys from the same addresses."""
-    if PAGE_SHIFT >= 0:
-        key_pos = lo + tl.arange(0, KV_BLOCK)
-        seen = key_pos <= hi
-        page = tl.gather(pages, (key_pos - start) >> PAGE_SHIFT, 0)
-        offsets = page.to(tl.int64) * stride_page + (key_pos & ((1 << PAGE_SHIFT) - 1)).to(tl.int64) * stride_slot
-        kb, vb = _load_kv(k, v, offsets, seen, D)
-    else:
-        kb, vb, key_pos = _block_kv(k, v, page_row, lo // KV_BLOCK, hi, page_size, stride_page, stride_slot,
-                                    KV_BLOCK, D, PAGE_SHIFT)
-    return kb, vb, key_pos
-
-
-@triton.jit
 def _chunk_state(q, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
                  ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                  SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr):
@@ -399,8 +388,8 @@ def _chunk_state(q, pos, hi, chunk, k, v, page_row, page_size, stride_page, stri
     start = chunk * KV_CHUNK
     pages = _chunk_pages(page_row, start, hi, KV_CHUNK, PAGE_SHIFT)
     for lo in range(start, tl.minimum(start + KV_CHUNK, hi + 1), KV_BLOCK):
-        kb, vb, key_pos = _chunk_block_kv(k, v, page_row, pages, start, lo, hi, page_size, stride_page, stride_slot,
-                                          KV_BLOCK, D, PAGE_SHIFT)
+        kb, vb, key_pos = _block_kv(k, v, page_row, lo // KV_BLOCK, hi, page_size, stride_page, stride_slot,
+                                    KV_BLOCK, D, PAGE_SHIFT, pages, start)
         m, l, acc = _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK, SWAP)
     # every column (SWAP: row) of l holds the same value, so the max reads it exactly
     return m, _row_max(l, SWAP), acc
@@ -532,6 +521,43 @@ def _walk(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, 
 
 
 @triton.jit
+def _store_chunk_state(part_m, part_l, part_acc, slot, keep, m, l, acc, D: tl.constexpr, SWAP: tl.constexpr):
+    """A split decode program's chunk state (_chunk_state's) at rows `slot` of the states, its group's
+    rows (keep) only."""
+    tl.store(part_m + slot, m, mask=keep)
+    tl.store(part_l + slot, l, mask=keep)
+    tl.store(part_acc + _tile_offsets(slot, D, SWAP), acc, mask=_col(keep, SWAP))
+
+
+@triton.jit
+def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
+                        GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr):
+    """The n_need chunk states of split pair `tail` merged in chunk order and its rows stored (by the
+    last of the pair's programs). The merge is elementwise per row: only the group's real rows (a
+    power of two >= GROUP)."""
+    g = tl.arange(0, MERGE_ROWS)
+    tok_g, head_g = _rows(g, begin, 1, kv_head, GROUP)
+    first_g = (tail * n_chunks).to(tl.int64) * GROUP + g % GROUP
+    m_t = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
+    l_t = tl.zeros((MERGE_ROWS,), tl.float32)
+    acc_t = tl.zeros((MERGE_ROWS, D), tl.float32)
+    # chunk order, _MERGE_AHEAD states a step: their loads (written by other programs: from L2, .cg)
+    # are independent of the merges, so they are all in flight before the first merge needs one;
+    # a state past the last is loaded masked and its merge's result not kept (a select: exact)
+    for c_step in range(0, n_need, _MERGE_AHEAD):
+        for i in tl.static_range(_MERGE_AHEAD):
+            c = c_step + i
+            at = first_g + c * GROUP
+            here = c < n_need
+            acc_c = tl.load(part_acc + _tile_offsets(at, D, False), mask=here, other=0.0, cache_modifier=".cg")
+            m_c = tl.load(part_m + at, mask=here, other=0.0, cache_modifier=".cg")
+            l_c = tl.load(part_l + at, mask=here, other=0.0, cache_modifier=".cg")
+            m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_c, l_c, acc_c, False)
+            m_t, l_t, acc_t = tl.where(here, m_n, m_t), tl.where(here, l_n, l_t), tl.where(here, acc_n, acc_t)
+    _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False)
+
+
+@triton.jit
 def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q_begin, q_count, q_pos, page_table,
                          stride_table, page_size, stride_page, stride_head, stride_slot, n_heads, qk_scale,
                          n_chunks, n_walks, per_split, GROUP: tl.constexpr, ROWS: tl.constexpr,
@@ -596,36 +622,14 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
         for chunk in range(p, n_need, per_split):
             m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot,
                                      qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT)
-            slot = first + chunk * GROUP
-            tl.store(part_m + slot, m, mask=keep)
-            tl.store(part_l + slot, l, mask=keep)
-            tl.store(part_acc + _tile_offsets(slot, D, SWAP), acc, mask=_col(keep, SWAP))
+            _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, l, acc, D, SWAP)
         mine = (n_need - 1 - p) // per_split + 1
         tl.debug_barrier()  # every thread's stores precede the release
         ticket = tl.atomic_add(tickets + tail, mine, sem="acq_rel", scope="gpu")
         if ticket + mine == n_need:  # this program stored the last of the chunk states
             tl.atomic_xchg(tickets + tail, 0, sem="relaxed", scope="gpu")  # _tickets.py
-            # the merge is elementwise per row: only the group's real rows (a power of two >= GROUP)
-            g = tl.arange(0, MERGE_ROWS)
-            tok_g, head_g = _rows(g, begin, 1, kv_head, GROUP)
-            first_g = (tail * n_chunks).to(tl.int64) * GROUP + g % GROUP
-            m_t = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
-            l_t = tl.zeros((MERGE_ROWS,), tl.float32)
-            acc_t = tl.zeros((MERGE_ROWS, D), tl.float32)
-            # chunk order, _MERGE_AHEAD states a step: their loads (written by other programs: from L2, .cg)
-            # are independent of the merges, so they are all in flight before the first merge needs one;
-            # a state past the last is loaded masked and its merge's result not kept (a select: exact)
-            for c_step in range(0, n_need, _MERGE_AHEAD):
-                for i in tl.static_range(_MERGE_AHEAD):
-                    c = c_step + i
-                    at = first_g + c * GROUP
-                    here = c < n_need
-                    acc_c = tl.load(part_acc + _tile_offsets(at, D, False), mask=here, other=0.0, cache_modifier=".cg")
-                    m_c = tl.load(part_m + at, mask=here, other=0.0, cache_modifier=".cg")
-                    l_c = tl.load(part_l + at, mask=here, other=0.0, cache_modifier=".cg")
-                    m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_c, l_c, acc_c, False)
-                    m_t, l_t, acc_t = tl.where(here, m_n, m_t), tl.where(here, l_n, l_t), tl.where(here, acc_n, acc_t)
-            _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False)
+            _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
+                                GROUP, MERGE_ROWS, D)
 
 
 # ---- the forward, warp-specialised (Gluon) ---------------------------------------------------------
