@@ -6,7 +6,9 @@
 
 Decode below ~50 requests splits each (sequence, kv head)'s chunks over programs that store chunk
 states, the last of a pair's programs merging them (kernels/_triton/attention.py,
-_decode_chunk_kernel). No profiler runs on the GPU host, so this probe runs the split path's steps,
+_decode_chunk_kernel). The probe traces a program's chunks a loop each, the route of a program of one
+chunk; the table runs a program of several in one loop (_split_states, FLAT_STAGES), so where
+programs hold several chunks the two kernels' times differ by more than the stamps. No profiler runs on the GPU host, so this probe runs the split path's steps,
 built from attention.py's own building blocks (_sequence, _query_pos, _block_kv, _fold_block,
 _merge), with a stamp (%globaltimer, ns, and the SM's %clock64) at each step a program waits on:
 entry, its keys' bound known (the sequence's length loaded), each 64-key block's maxima known (its
@@ -133,7 +135,7 @@ def _launch(args, trace: torch.Tensor, null: bool):
     n_chunks = triton.cdiv(keys.max_count, A.KV_CHUNK)
     pairs = n_seqs * keys.n_heads
     cfg = A.TUNING["decode"]
-    walks, per_split, stages = A._decode_grid(pairs, n_chunks, resident_programs(q.device), cfg)
+    walks, per_split, stages, _ = A._decode_grid(pairs, n_chunks, resident_programs(q.device), cfg)
     if walks or per_split < 2:
         raise SystemExit(f"probe_decode: {n_seqs} x {keys.max_count} is not an all-split grid ({walks} walks, "
                          f"{per_split} a pair): the probe traces the split path only")

@@ -80,7 +80,10 @@ CANDIDATES = {
     + [dict(SWAP=False, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (2, 3, 4) for n in (1, 2)]
     # the last, part-full wave's pairs split across programs (SPLIT_TAIL) or walked whole; WALK_PER_SM=1
     # keeps the walks off the deeper ring (_walk_fits), so batches that take it time the split tail
-    + [dict(SPLIT_TAIL=t, WALK_PER_SM=w) for t, w in ((False, 2), (True, 1), (False, 1))],
+    + [dict(SPLIT_TAIL=t, WALK_PER_SM=w) for t, w in ((False, 2), (True, 1), (False, 1))]
+    # a grid of splits alone (batches 1-16): a program's several chunks in one loop on a ring of
+    # FLAT_STAGES (0: a loop a chunk on SPLIT_STAGES' ring, as a program of one chunk always runs)
+    + [dict(FLAT_STAGES=f) for f in (0, 4, 5, 6)]
 }
 
 

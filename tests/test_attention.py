@@ -334,14 +334,22 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
     for per_sm in (0, 64):
         monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], "PROGRAMS_PER_SM": per_sm})
         assert torch.equal(K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last), decode), per_sm
-    # several chunks a program (10 chunks on 4 programs), merged in two steps of _MERGE_AHEAD (8)
-    # loads, the second with 6 past the last state; and 5 chunks on 4 programs
-    monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], "PROGRAMS_PER_SM": 1})
+    # several chunks a program (10 chunks on 4 programs: 3, 3, 2, 2, the last chunk one of its two
+    # blocks), in one loop over a program's blocks (FLAT_STAGES) or a loop a chunk, merged in two
+    # steps of _MERGE_AHEAD (8) loads, the second with 6 past the last state; and 5 chunks on 4
+    # programs (2, 1, 1, 1: a program of one chunk takes a loop a chunk either way)
     assert triton_backend._MERGE_AHEAD.value == 8
-    for n in (300, 150):
-        q, k, v, cu = _packed([n], 4, 1, 16, device=TRITON_DEVICE)
-        got = K.causal_attention(q[None, n - 1:], k[None], v[None], torch.tensor([[n - 1]], device=TRITON_DEVICE))
-        assert torch.equal(got[0, 0], K.varlen_attention(q, k, v, cu)[n - 1]), n
+    grids = []
+    real = triton_backend._decode_grid
+    monkeypatch.setattr(triton_backend, "_decode_grid", lambda *a: grids.append(real(*a)) or grids[-1])
+    for flat in (0, 5):
+        monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], "PROGRAMS_PER_SM": 1,
+                                                              "SPLIT_PER_SM": 1, "FLAT_STAGES": flat})
+        for n in (300, 150):
+            q, k, v, cu = _packed([n], 4, 1, 16, device=TRITON_DEVICE)
+            got = K.causal_attention(q[None, n - 1:], k[None], v[None], torch.tensor([[n - 1]], device=TRITON_DEVICE))
+            assert torch.equal(got[0, 0], K.varlen_attention(q, k, v, cu)[n - 1]), (n, flat)
+            assert grids[-1] == (0, 4, triton_backend.TUNING["decode"]["SPLIT_STAGES"], flat), grids[-1]
 
 
 def test_decode_grid_splits_its_last_waves_pairs_with_the_walks_bits(triton_backend, monkeypatch):
@@ -367,8 +375,8 @@ def test_decode_grid_splits_its_last_waves_pairs_with_the_walks_bits(triton_back
                                                  "SPLIT_TAIL": split_tail})
         outs[per_sm, split_tail] = K.causal_attention(q[last][:, None], k_b, v_b, pos)[:, 0]
     tail = 10 % slots
-    walks, per_split, _ = grids[1]
-    assert (walks, per_split) == (10 - tail, min(3, slots // tail)), grids  # the mixed grid
+    walks, per_split, _, flat = grids[1]
+    assert (walks, per_split, flat) == (10 - tail, min(3, slots // tail), 0), grids  # the mixed grid: a loop a chunk
     assert grids[0][:2] == grids[2][:2] == (10, 1) and grids[3][0] == 0, grids  # walks only; splits only
     for key, got in outs.items():
         assert torch.equal(got, train[last]), key
@@ -380,16 +388,18 @@ def test_decode_grid_rule_on_an_h200():
     from lockstep.kernels._triton import attention as A
 
     cfg = A.TUNING["decode"]
-    assert (cfg["SPLIT_STAGES"], cfg["SPLIT_PER_SM"]) == (3, 2)
+    assert (cfg["SPLIT_STAGES"], cfg["SPLIT_PER_SM"], cfg["FLAT_STAGES"]) == (3, 2, 5)
     grid = lambda batch, keys: A._decode_grid(batch * 8, -(-keys // A.KV_CHUNK), 132, cfg)  # noqa: E731
-    assert grid(1, 16384) == (0, 33, 3) and grid(1, 1024) == (0, 4, 3)  # one wave of splits, at most a chunk each
-    assert grid(16, 4096) == (0, 2, 3)
-    assert grid(20, 4096) == (0, 2, 2) and grid(24, 4096) == (0, 2, 2)  # 1 a pair on the deeper ring: the table's
-    assert grid(25, 4096) == (200, 1, cfg["WALK_STAGES"])
-    assert grid(64, 4096) == (512, 1, cfg["WALK_STAGES"])  # walks whose deeper ring costs no wave
-    assert grid(128, 1024) == (1024, 1, 2)  # a last wave of 232 walks: too full to split
-    assert grid(256, 1024) == (1980, 4, 2) and grid(256, 16384) == (1980, 5, 2)  # 68 pairs split 4 / 5 ways
-    assert A._decode_grid(2048, 64, 132, {**cfg, "SPLIT_TAIL": False}) == (2048, 1, 2)
+    # one wave of splits, at most a chunk each; a program of several chunks in one loop on FLAT_STAGES' ring
+    assert grid(1, 16384) == (0, 33, 3, 5) and grid(1, 1024) == (0, 4, 3, 5)
+    assert grid(16, 4096) == (0, 2, 3, 5)
+    # 1 a pair on the deeper ring: the table's ring, a loop a chunk (3 programs an SM fit)
+    assert grid(20, 4096) == (0, 2, 2, 0) and grid(24, 4096) == (0, 2, 2, 0)
+    assert grid(25, 4096) == (200, 1, cfg["WALK_STAGES"], 0)
+    assert grid(64, 4096) == (512, 1, cfg["WALK_STAGES"], 0)  # walks whose deeper ring costs no wave
+    assert grid(128, 1024) == (1024, 1, 2, 0)  # a last wave of 232 walks: too full to split
+    assert grid(256, 1024) == (1980, 4, 2, 0) and grid(256, 16384) == (1980, 5, 2, 0)  # 68 pairs split 4 / 5 ways
+    assert A._decode_grid(2048, 64, 132, {**cfg, "SPLIT_TAIL": False}) == (2048, 1, 2, 0)
 
 
 def test_decode_walk_takes_its_deep_ring_only_where_that_costs_no_wave():
@@ -454,10 +464,11 @@ dq_gluon = compile_sm90(A._bwd_dq_ws_kernel, lambda n: "i32" if n in WS_INTS els
 cfg = A.TUNING["decode"]
 # (grids of splits only, of walks only (" in registers"; " deep": on the walk's ring) and of both)
 kinds = {"": (False, True), " in registers": (True, False), " mixed": (True, True)}
+split = dict(FLAT_STAGES=0)  # (a program's several chunks in one loop: the deeper split ring's alone)
 decode = {f"{'swapped' if swap else 'padded'}{kind}{' deep' if deep else ''}":
           compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=16 if swap else cfg["MIN_ROWS"], MERGE_ROWS=4,
                        WALKS=kinds[kind][0], SPLITS=kinds[kind][1], FROM_LENS=True, PREFETCH=cfg["PREFETCH"],
-                       SWAP=swap, PAGE_SHIFT=A.decode_page_shift(16), **common), cfg["num_warps"],
+                       SWAP=swap, PAGE_SHIFT=A.decode_page_shift(16), **common, **split), cfg["num_warps"],
                        cfg["WALK_STAGES" if deep else "num_stages"])
           for swap in (True, False) for kind in kinds
           for deep in ((False, True) if swap and kind == " in registers" else (False,))}
@@ -465,7 +476,7 @@ decode = {f"{'swapped' if swap else 'padded'}{kind}{' deep' if deep else ''}":
 decode["swapped split deep"] = compile_sm90(
     A._decode_chunk_kernel, types, dict(ROWS=16, MERGE_ROWS=4, WALKS=False, SPLITS=True, FROM_LENS=True,
                                         PREFETCH=cfg["PREFETCH"], SWAP=True, PAGE_SHIFT=A.decode_page_shift(16),
-                                        **common), cfg["num_warps"], cfg["SPLIT_STAGES"])
+                                        FLAT_STAGES=cfg["FLAT_STAGES"], **common), cfg["num_warps"], cfg["SPLIT_STAGES"])
 print(json.dumps([prefill, linear, gluon, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, decode]))
 """
 
@@ -476,7 +487,7 @@ def test_decode_and_prefill_multiply_with_wgmma():
     the group's heads padded to 64 rows run the prefill's instruction shapes, and swapped decode
     tiles (the heads as the N side) run the same instruction with N = 16, whose elements are the
     same sums (checked on the GPU: test_gpu_decode_tiles_give_the_training_bits). No decode
-    kernel spills, and the swapped ones hold far fewer registers (more programs per SM)."""
+    kernel spills, and the swapped ones fit the programs an SM that their grids count on."""
     from sm90 import probe
 
     prefill, linear, gluon, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, decode = probe(_MMA_PROBE)
@@ -502,13 +513,16 @@ def test_decode_and_prefill_multiply_with_wgmma():
         assert d["spill_bytes"] <= (0 if name.startswith("swapped") else 16), (name, d)
     for name in ("padded", "padded in registers"):
         assert decode[name]["mma"] == prefill["mma"], f"prefill MMAs {prefill['mma']} != decode ({name}) {decode[name]['mma']}"
-    for name in ("swapped", "swapped in registers", "swapped in registers deep", "swapped mixed", "swapped split deep"):
-        assert decode[name]["mma"] == [["3", "[16, 16, 16]"]], (name, decode[name])
-        assert decode[name]["regs"] <= 160, (name, decode[name])
-    # the programs an SM that the decode grid and the walk's ring rule count on are what fits
+    # the programs an SM that the decode grid and the walk's ring rule count on are what fits, in
+    # shared memory and in registers
     from lockstep.kernels._triton import attention as A
 
     cfg, per_block = A.TUNING["decode"], 227 * 1024
+    for name, per_sm in (("swapped", "PROGRAMS_PER_SM"), ("swapped in registers", "PROGRAMS_PER_SM"),
+                         ("swapped in registers deep", "WALK_PER_SM"), ("swapped mixed", "PROGRAMS_PER_SM"),
+                         ("swapped split deep", "SPLIT_PER_SM")):
+        assert decode[name]["mma"] == [["3", "[16, 16, 16]"]], (name, decode[name])
+        assert decode[name]["regs"] * 32 * cfg["num_warps"] * cfg[per_sm] <= 65536, (name, decode[name])
     assert per_block // decode["swapped"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode["swapped"]
     assert per_block // decode["swapped in registers"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode
     assert per_block // decode["swapped mixed"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode
@@ -676,10 +690,13 @@ def test_gpu_paged_prefill_takes_the_gluon_forward_with_the_training_bits(gpu_tr
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("swap", [True, False], ids=["swapped", "padded"])
-@pytest.mark.parametrize("per_sm,walk_stages,split_per_sm", [(16, None, 16), (16, None, 0), (0, None, None),
-                                                             (0, 2, None), (None, None, None)],
-                         ids=["split", "split-2-stages", "one-program", "one-program-2-stages", "walks-and-split-tail"])
-def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, per_sm, walk_stages, split_per_sm):
+@pytest.mark.parametrize("per_sm,walk_stages,split_per_sm,flat_stages",
+                         [(16, None, 16, None), (16, None, 16, 0), (16, None, 0, None), (0, None, None, None),
+                          (0, 2, None, None), (None, None, None, None)],
+                         ids=["split", "split-a-loop-a-chunk", "split-2-stages", "one-program", "one-program-2-stages",
+                              "walks-and-split-tail"])
+def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, per_sm, walk_stages, split_per_sm,
+                                                 flat_stages):
     """Decode tiles at Qwen3-8B heads (bf16, head_dim 128, group 4), with the dots' operands swapped
     (the heads as wgmma's N side) or the heads padded to 64 rows, a sequence's chunks split across
     programs (merged through memory) or walked by one program (merged in registers; its ring the
@@ -694,6 +711,8 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
         cfg["WALK_STAGES"] = walk_stages
     if split_per_sm is not None:
         cfg["SPLIT_PER_SM"] = split_per_sm
+    if flat_stages is not None:
+        cfg["FLAT_STAGES"] = flat_stages
     lens = [3000, 1500, 700, 257, 64]  # 3,000 keys: 12 chunks, merged in two steps of _MERGE_AHEAD loads
     q, k, v, cu = _packed(lens, 32, 8, 128, torch.bfloat16, "cuda")
     train = K.varlen_attention(q, k, v, cu)
@@ -714,12 +733,13 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
         cfg.update(PROGRAMS_PER_SM=pairs // sms, WALK_PER_SM=1, SPLIT_TAIL=True)
     monkeypatch.setitem(A.TUNING, "decode", cfg)
     assert A.decode_swapped(128) == swap
-    walks, per_split, stages = A._decode_grid(pairs, 12, sms, cfg)  # 3,000 keys: 12 chunks
+    walks, per_split, stages, flat = A._decode_grid(pairs, 12, sms, cfg)  # 3,000 keys: 12 chunks
     if per_sm is None:
-        assert 0 < walks < pairs and per_split > 1, (walks, per_split, pairs)
+        assert 0 < walks < pairs and per_split > 1 and not flat, (walks, per_split, pairs, flat)
     elif per_sm:
-        assert walks == 0 and per_split > 1, (walks, per_split)
+        assert walks == 0 and 1 < per_split < 12, (walks, per_split)  # the longest: programs of several chunks
         assert stages == cfg["SPLIT_STAGES" if split_per_sm else "num_stages"], stages
+        assert flat == (cfg["FLAT_STAGES"] if split_per_sm else 0), flat
     else:
         assert walks == pairs and stages == cfg["WALK_STAGES"], "the walk should take WALK_STAGES here"
     out = K.causal_attention(q[rows][:, None], k_b, v_b, pos)[:, 0]

@@ -144,8 +144,15 @@ TUNING = {
     # twenty-fifth session (H200, CUDA graphs, bits equal, against the table's 2 stages and 3 an SM):
     # batch 1 at 1k / 4k / 16k keys 1.06 / 1.10 / 1.00x, batch 16 1.10 / 1.05 / 1.02x; 4 stages (one
     # program an SM) read 1.04 / 1.13 / 0.88x and 1.18 / 1.01 / 0.95x
+    # FLAT_STAGES: on that ring a program of several chunks folds them in one loop over their blocks
+    # on a ring this deep (a block's page entries loaded in the loop), instead of a loop a chunk,
+    # whose pipeline restarts at every chunk; 0: a loop a chunk (as a program of one chunk always
+    # runs: its page entries in one load, 1.17 / 1.10x the one loop at 1 x 1k / 4k). The twenty-sixth
+    # session (H200, CUDA graphs, bits equal, A/B against a loop a chunk): batch 1 x 16k 1.08x, 4 / 8
+    # x 4k 1.05 / 1.07x, 16 x 1k / 4k / 16k 1.05 / 1.03 / 1.01x; 4 stages (the page load takes one:
+    # a ring of 2 K/V blocks) 0.94-1.00x, 6 as 5 (111 KB a program either way: 2 an SM)
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
-                   WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2),
+                   WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2, FLAT_STAGES=5),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
@@ -530,6 +537,30 @@ def _store_chunk_state(part_m, part_l, part_acc, slot, keep, m, l, acc, D: tl.co
 
 
 @triton.jit
+def _split_states(q, pos, hi, p, per_split, mine, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
+                  part_m, part_l, part_acc, first, keep, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                  KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr,
+                  STAGES: tl.constexpr):
+    """Split program p's `mine` chunks (p, p + per_split, ...) in one pipelined loop over their blocks,
+    each chunk's state folded from empty and stored at its last block (or the last that holds keys):
+    _chunk_state's operations in its order, without a pipeline restart at every chunk."""
+    BLOCKS: tl.constexpr = KV_CHUNK // KV_BLOCK
+    last = p + (mine - 1) * per_split  # only the sequence's last chunk can end before its last block
+    n_blocks = (mine - 1) * BLOCKS + (tl.minimum(hi - last * KV_CHUNK, KV_CHUNK - 1) // KV_BLOCK + 1)
+    m, l, acc = _empty_state(ROWS, D, SWAP)
+    for i in tl.range(0, n_blocks, num_stages=STAGES):
+        chunk = p + (i // BLOCKS) * per_split
+        kb, vb, key_pos = _block_kv(k, v, page_row, chunk * BLOCKS + i % BLOCKS, hi, page_size, stride_page,
+                                    stride_slot, KV_BLOCK, D, PAGE_SHIFT)
+        m, l, acc = _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK, SWAP)
+        if ((i + 1) % BLOCKS == 0) | (i == n_blocks - 1):
+            # every column (SWAP: row) of l holds the same value, so the max reads it exactly
+            _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, _row_max(l, SWAP), acc, D,
+                               SWAP)
+            m, l, acc = _empty_state(ROWS, D, SWAP)
+
+
+@triton.jit
 def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
                         GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr):
     """The n_need chunk states of split pair `tail` merged in chunk order and its rows stored (by the
@@ -563,7 +594,8 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          n_chunks, n_walks, per_split, GROUP: tl.constexpr, ROWS: tl.constexpr,
                          MERGE_ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                          WALKS: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
-                         FROM_LENS: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr):
+                         FROM_LENS: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr,
+                         FLAT_STAGES: tl.constexpr):
     """Single-query sequences, each (sequence, kv head) pair's rows the group's query heads. A grid
     with splits is 1-D: programs 0 .. n_walks - 1 walk pairs 0 .. n_walks - 1 whole, and each later
     pair is split across per_split programs (P); a grid of walks only is (1, kv heads, sequences). A
@@ -615,15 +647,22 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
         # the split pairs' states and tickets, from the first split pair's
         tail = pair - n_walks
         first = (tail * n_chunks).to(tl.int64) * GROUP + rows % GROUP
-        # a loop per chunk: its state's store then falls between two loops, not inside one, and takes no
-        # shared memory beside the pipelined K/V buffers (one loop over all the program's blocks, storing
-        # each chunk's state inside it, took 78 KB a program instead of 71.7, two programs an SM instead
-        # of three, and ran 0.91-0.97x the sixteenth session's kernel at batch 16-64 in an A/B)
-        for chunk in range(p, n_need, per_split):
-            m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot,
-                                     qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT)
-            _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, l, acc, D, SWAP)
+        # FLAT_STAGES (the deeper split ring's grids): a program of several chunks folds them in one loop
+        # over their blocks on that ring (_split_states); else, and always for a program of one chunk, a
+        # loop a chunk, whose page entries come in one load (_chunk_state). On the table's ring a loop a
+        # chunk: the one loop's in-loop store takes shared memory (78 KB a program against 71.7 at 2-3
+        # stages), two programs an SM instead of three (0.91-0.97x the sixteenth session's kernel at
+        # batch 16-64 in an A/B)
         mine = (n_need - 1 - p) // per_split + 1
+        if FLAT_STAGES and (mine > 1):
+            _split_states(q_tile, pos, hi, p, per_split, mine, k, v, page_row, page_size, stride_page, stride_slot,
+                          qk_scale, part_m, part_l, part_acc, first, keep, GROUP, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP,
+                          PAGE_SHIFT, FLAT_STAGES)
+        else:
+            for chunk in range(p, n_need, per_split):
+                m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot,
+                                         qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT)
+                _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, l, acc, D, SWAP)
         tl.debug_barrier()  # every thread's stores precede the release
         ticket = tl.atomic_add(tickets + tail, mine, sem="acq_rel", scope="gpu")
         if ticket + mine == n_need:  # this program stored the last of the chunk states
@@ -1571,7 +1610,7 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
                          "unpipelined made an illegal memory access on an H200 (Triton 3.6); use num_stages >= 2")
     n_chunks = triton.cdiv(keys.max_count, KV_CHUNK)
     pairs = n_seqs * keys.n_heads
-    walks, per_split, stages = _decode_grid(pairs, n_chunks, resident_programs(q.device), cfg)
+    walks, per_split, stages, flat_stages = _decode_grid(pairs, n_chunks, resident_programs(q.device), cfg)
     split = pairs - walks  # pairs split across programs: their chunk states go through memory
     states = (split, n_chunks, group) if split else (1,)
     part_m = torch.empty(states, device=q.device, dtype=torch.float32)
@@ -1587,7 +1626,8 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
         *_page_args(keys), q.shape[1], qk_scale, n_chunks, walks, per_split, GROUP=group,
         ROWS=decode_rows(group, d), MERGE_ROWS=triton.next_power_of_2(group), D=d, KV_BLOCK=KV_BLOCK,
         KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"], FROM_LENS=queries.from_lens,
-        SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size), num_warps=cfg["num_warps"], num_stages=stages)
+        SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size), FLAT_STAGES=flat_stages,
+        num_warps=cfg["num_warps"], num_stages=stages)
 
 
 def decode_page_shift(page_size: int) -> int:
@@ -1597,32 +1637,33 @@ def decode_page_shift(page_size: int) -> int:
     return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
 
-def _decode_grid(pairs: int, n_chunks: int, sms: int, cfg: dict) -> tuple[int, int, int]:
-    """(walks, per_split, num_stages) of the decode grid (TUNING["decode"]: cfg) for `pairs` (sequence,
+def _decode_grid(pairs: int, n_chunks: int, sms: int, cfg: dict) -> tuple[int, int, int, int]:
+    """(walks, per_split, num_stages, flat_stages) of the decode grid (TUNING["decode"]: cfg) for `pairs` (sequence,
     kv head) pairs of at most n_chunks chunks: the first `walks` pairs get one program each, every
     later pair per_split programs. A wave holds PROGRAMS_PER_SM programs an SM (its slots):
     - fewer pairs than slots: each pair's chunks split across as many programs as make one wave, at
       most one a chunk (a second, part-full wave of a program's whole walk costs more than the split
       saves), on the deeper SPLIT_STAGES ring (SPLIT_PER_SM an SM) where that still splits each pair,
-      else on the table's; one program a pair where the batch alone fills the wave;
+      a program's several chunks in one loop on FLAT_STAGES' ring there (flat_stages; 0 elsewhere:
+      a loop a chunk), else on the table's; one program a pair where the batch alone fills the wave;
     - more pairs than slots: one program a pair on the deeper WALK_STAGES ring where _walk_fits, else
       on the table's, and with SPLIT_TAIL the pairs of the last, part-full wave split across as many
       programs as fill it (one wave of short programs where each of that wave's walks would have run
       alone on its SM)."""
     slots = cfg["PROGRAMS_PER_SM"] * sms
     deep = _walk_fits(pairs, sms, cfg)
-    walk = (pairs, 1, cfg["WALK_STAGES"] if deep else cfg["num_stages"])
+    walk = (pairs, 1, cfg["WALK_STAGES"] if deep else cfg["num_stages"], 0)
     if slots == 0:  # (0 programs an SM asks for one program a pair)
         return walk
     if pairs <= slots:
         deep_split = min(n_chunks, cfg["SPLIT_PER_SM"] * sms // pairs)
         if deep_split > 1:
-            return 0, deep_split, cfg["SPLIT_STAGES"]
+            return 0, deep_split, cfg["SPLIT_STAGES"], cfg["FLAT_STAGES"]
         per_split = min(n_chunks, slots // pairs)
-        return walk if per_split <= 1 else (0, per_split, cfg["num_stages"])
+        return walk if per_split <= 1 else (0, per_split, cfg["num_stages"], 0)
     tail = pairs % slots
     per_split = min(n_chunks, slots // tail) if tail and cfg["SPLIT_TAIL"] and not deep else 1
-    return walk if per_split <= 1 else (pairs - tail, per_split, cfg["num_stages"])
+    return walk if per_split <= 1 else (pairs - tail, per_split, cfg["num_stages"], 0)
 
 
 def _walk_fits(programs: int, sms: int, cfg: dict) -> bool:
