@@ -8,12 +8,12 @@ Decode below ~50 requests splits each (sequence, kv head)'s chunks over programs
 states, the last of a pair's programs merging them (kernels/_triton/attention.py,
 _decode_chunk_kernel). The probe traces a program's chunks a loop each, the route of a program of one
 chunk; the table runs a program of several in one loop (_split_states, FLAT_STAGES), so where
-programs hold several chunks the two kernels' times differ by more than the stamps. No profiler runs on the GPU host, so this probe runs the split path's steps,
-built from attention.py's own building blocks (_sequence, _query_pos, _block_kv, _fold_block,
-_merge), with a stamp (%globaltimer, ns, and the SM's %clock64) at each step a program waits on:
-entry, its keys' bound known (the sequence's length loaded), each 64-key block's maxima known (its
-K/V loaded and its q.k done), its states stored and its ticket back, and for the merging program
-the rows stored. Its outputs are checked bit for bit against the table's kernel, and its time
+programs hold several chunks the two kernels' times differ by more than the stamps. No profiler runs
+on the GPU host, so this probe runs the split path's steps, built from attention.py's own building
+blocks (_sequence, _query_pos, _block_kv, _fold_block, _merge), with a stamp (%globaltimer, ns, and
+the SM's %clock64) at each step a program waits on: entry, its keys' bound known (the sequence's
+length loaded), each 64-key block's maxima known (its K/V loaded and its q.k done), its states
+stored and its ticket back, and for the merging program the rows stored. Its outputs are checked bit for bit against the table's kernel, and its time
 against the table's (stamps cost a little), both by CUDA-graph replay. Also a kernel of the same
 grid that only reads the sequence's length and stores one value: what launching the grid costs.
 

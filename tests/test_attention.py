@@ -476,7 +476,8 @@ decode = {f"{'swapped' if swap else 'padded'}{kind}{' deep' if deep else ''}":
 decode["swapped split deep"] = compile_sm90(
     A._decode_chunk_kernel, types, dict(ROWS=16, MERGE_ROWS=4, WALKS=False, SPLITS=True, FROM_LENS=True,
                                         PREFETCH=cfg["PREFETCH"], SWAP=True, PAGE_SHIFT=A.decode_page_shift(16),
-                                        FLAT_STAGES=cfg["FLAT_STAGES"], **common), cfg["num_warps"], cfg["SPLIT_STAGES"])
+                                        FLAT_STAGES=cfg["FLAT_STAGES"], **common), cfg["num_warps"],
+    cfg["SPLIT_STAGES"])
 print(json.dumps([prefill, linear, gluon, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, decode]))
 """
 

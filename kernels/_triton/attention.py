@@ -1638,9 +1638,9 @@ def decode_page_shift(page_size: int) -> int:
 
 
 def _decode_grid(pairs: int, n_chunks: int, sms: int, cfg: dict) -> tuple[int, int, int, int]:
-    """(walks, per_split, num_stages, flat_stages) of the decode grid (TUNING["decode"]: cfg) for `pairs` (sequence,
-    kv head) pairs of at most n_chunks chunks: the first `walks` pairs get one program each, every
-    later pair per_split programs. A wave holds PROGRAMS_PER_SM programs an SM (its slots):
+    """(walks, per_split, num_stages, flat_stages) of the decode grid (TUNING["decode"]: cfg) for
+    `pairs` (sequence, kv head) pairs of at most n_chunks chunks: the first `walks` pairs get one
+    program each, every later pair per_split programs. A wave holds PROGRAMS_PER_SM programs an SM (its slots):
     - fewer pairs than slots: each pair's chunks split across as many programs as make one wave, at
       most one a chunk (a second, part-full wave of a program's whole walk costs more than the split
       saves), on the deeper SPLIT_STAGES ring (SPLIT_PER_SM an SM) where that still splits each pair,
