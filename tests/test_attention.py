@@ -308,6 +308,13 @@ def test_varlen_max_seqlen_moves_no_bit(triton_backend, monkeypatch):
     assert torch.equal(short[~left_out], ref[0][~left_out].detach())  # what was written is the op's bits
 
 
+def _recorded_decode_grids(A, monkeypatch) -> list:
+    """The list each later decode launch appends its _decode_grid result to."""
+    grids, real = [], A._decode_grid
+    monkeypatch.setattr(A, "_decode_grid", lambda *a: grids.append(real(*a)) or grids[-1])
+    return grids
+
+
 def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
     q, k, v, cu = _packed([70, 20], 4, 1, 16, device=TRITON_DEVICE)
     last = torch.tensor([[69]], device=TRITON_DEVICE)
@@ -339,9 +346,7 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
     # steps of _MERGE_AHEAD (8) loads, the second with 6 past the last state; and 5 chunks on 4
     # programs (2, 1, 1, 1: a program of one chunk takes a loop a chunk either way)
     assert triton_backend._MERGE_AHEAD.value == 8
-    grids = []
-    real = triton_backend._decode_grid
-    monkeypatch.setattr(triton_backend, "_decode_grid", lambda *a: grids.append(real(*a)) or grids[-1])
+    grids = _recorded_decode_grids(triton_backend, monkeypatch)
     for flat in (0, 5):
         monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], "PROGRAMS_PER_SM": 1,
                                                               "SPLIT_PER_SM": 1, "FLAT_STAGES": flat})
@@ -363,9 +368,7 @@ def test_decode_grid_splits_its_last_waves_pairs_with_the_walks_bits(triton_back
     last = cu[1:] - 1
     k_b, v_b = _padded(k, cu, max(lens)), _padded(v, cu, max(lens))
     pos = (torch.tensor(lens, device=TRITON_DEVICE) - 1)[:, None]
-    grids = []
-    real = A._decode_grid
-    monkeypatch.setattr(A, "_decode_grid", lambda *a: grids.append(real(*a)) or grids[-1])
+    grids = _recorded_decode_grids(A, monkeypatch)
     slots = 2 * A.resident_programs(q.device)  # two programs an SM: a wave of this many
     assert 10 % slots and slots // (10 % slots) > 1  # a last wave of walks part full, fewer than half its slots
     outs = {}
