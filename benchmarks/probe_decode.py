@@ -112,7 +112,7 @@ def _traced_split_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, t
             m, l, acc = A._fold_block(q_tile, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK, SWAP)
             _stamp(trace, 2 + tl.minimum(n_blk, MAX_BLOCKS_C - 1), tl.max(m, 0))
             n_blk += 1
-        A._store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, A._row_max(l, SWAP), acc, D,
+        A._store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, A._tile_sums(l, SWAP), acc, D,
                              SWAP)
     tl.store(trace + BLOCKS_C, n_blk.to(tl.int64))
     mine = (n_need - 1 - p) // per_split + 1

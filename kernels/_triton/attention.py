@@ -282,6 +282,13 @@ def _row_max(x, SWAP: tl.constexpr):
 
 
 @triton.jit
+def _tile_sums(l, SWAP: tl.constexpr):
+    """A chunk's row sums from the tile their ones-dot accumulates (_empty_state's l): every column
+    (SWAP: row) holds the same value, so the max reads it exactly."""
+    return _row_max(l, SWAP)
+
+
+@triton.jit
 def _tile_offsets(idx, D: tl.constexpr, SWAP: tl.constexpr):
     """Element offsets of rows idx of a [rows, D] tensor as a [ROWS, D] tile, or with SWAP [D, ROWS]."""
     cols = tl.arange(0, D)
@@ -398,8 +405,7 @@ def _chunk_state(q, pos, hi, chunk, k, v, page_row, page_size, stride_page, stri
         kb, vb, key_pos = _block_kv(k, v, page_row, lo // KV_BLOCK, hi, page_size, stride_page, stride_slot,
                                     KV_BLOCK, D, PAGE_SHIFT, pages, start)
         m, l, acc = _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK, SWAP)
-    # every column (SWAP: row) of l holds the same value, so the max reads it exactly
-    return m, _row_max(l, SWAP), acc
+    return m, _tile_sums(l, SWAP), acc
 
 
 @triton.jit
@@ -440,12 +446,12 @@ def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, 
             key_pos = blk * KV_BLOCK + tl.arange(0, KV_BLOCK)
             m_c, l_c, acc_c = _fold_block(q, kb, vb, key_pos, pos, m_c, l_c, acc_c, qk_scale, KV_BLOCK, SWAP)
             if (blk + 1) % (KV_CHUNK // KV_BLOCK) == 0:
-                m, l, acc = _merge(m, l, acc, m_c, _row_max(l_c, SWAP), acc_c, SWAP)
+                m, l, acc = _merge(m, l, acc, m_c, _tile_sums(l_c, SWAP), acc_c, SWAP)
                 m_c, l_c, acc_c = _empty_state(ROWS, D, SWAP)
         kb, vb, key_pos = _block_kv(k, v, page_row, last, hi, page_size, stride_page, stride_slot, KV_BLOCK, D,
                                     PAGE_SHIFT)
         m_c, l_c, acc_c = _fold_block(q, kb, vb, key_pos, pos, m_c, l_c, acc_c, qk_scale, KV_BLOCK, SWAP)
-        return _merge(m, l, acc, m_c, _row_max(l_c, SWAP), acc_c, SWAP)
+        return _merge(m, l, acc, m_c, _tile_sums(l_c, SWAP), acc_c, SWAP)
     if PREFETCH:
         kb_n, vb_n, key_n = _block_kv(k, v, page_row, 0, hi, page_size, stride_page, stride_slot, KV_BLOCK, D,
                                       PAGE_SHIFT)
@@ -459,8 +465,7 @@ def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, 
                                         PAGE_SHIFT)
         m_c, l_c, acc_c = _fold_block(q, kb, vb, key_pos, pos, m_c, l_c, acc_c, qk_scale, KV_BLOCK, SWAP)
         if ((blk + 1) % (KV_CHUNK // KV_BLOCK) == 0) | (blk == last):
-            # every column (SWAP: row) of l_c holds the same value, so the max reads it exactly
-            m, l, acc = _merge(m, l, acc, m_c, _row_max(l_c, SWAP), acc_c, SWAP)
+            m, l, acc = _merge(m, l, acc, m_c, _tile_sums(l_c, SWAP), acc_c, SWAP)
             m_c, l_c, acc_c = _empty_state(ROWS, D, SWAP)
     return m, l, acc
 
@@ -554,9 +559,8 @@ def _split_states(q, pos, hi, p, per_split, mine, k, v, page_row, page_size, str
                                     stride_slot, KV_BLOCK, D, PAGE_SHIFT)
         m, l, acc = _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK, SWAP)
         if ((i + 1) % BLOCKS == 0) | (i == n_blocks - 1):
-            # every column (SWAP: row) of l holds the same value, so the max reads it exactly
-            _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, _row_max(l, SWAP), acc, D,
-                               SWAP)
+            _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, _tile_sums(l, SWAP), acc,
+                               D, SWAP)
             m, l, acc = _empty_state(ROWS, D, SWAP)
 
 
@@ -741,9 +745,10 @@ def _ws_producer(k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_
 @gluon.jit
 def _ws_merge(m, l, acc, m_c, l_c, acc_c):
     """_merge of a consumer's chunk state (m_c in the products' row layout, l_c its row-sum dot's
-    tile, every column equal, so the max reads it exactly) into the running state (rows in acc's)."""
+    tile: _tile_sums) into the running state (rows in acc's)."""
     row: gl.constexpr = m.type.layout
-    return _merge(m, l, acc, gl.convert_layout(m_c, row), gl.convert_layout(_row_max(l_c, False), row), acc_c, False)
+    l_sums = gl.convert_layout(_tile_sums(l_c, False), row)
+    return _merge(m, l, acc, gl.convert_layout(m_c, row), l_sums, acc_c, False)
 
 
 @gluon.jit
