@@ -20,6 +20,9 @@ under it when vLLM's FA3 was absent or failed (never silently left out).
   x context {1k, 4k, 16k, 32k}; target >= 0.9x. Both sides replay CUDA graphs of 10
   calls, so a decode step times the kernels, not Python; a cell whose two caches do not fit in
   free memory is skipped and says so.
+- lockstep's paged caches (prefill and decode) are the one its vLLM backend allocates, the layout a
+  rollout runs: a page holds each kv head's slots together and a slot its key beside its value
+  (framework/rollout/vllm_plugin/kv_layout.py); vLLM's FA3 gets vLLM's own layout.
 
 Ratios are baseline time / lockstep time (throughput ratios).
 
@@ -40,6 +43,7 @@ else:  # run as a script, or imported with benchmarks/ on sys.path
     from _harness import graph_ms_per_call, markdown_table, measure
 
 import lockstep.kernels as K
+from lockstep.framework.rollout.vllm_plugin.kv_layout import kv_cache_shape, split_kv_cache
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -112,7 +116,7 @@ def with_fa3(best: tuple[float, str], timer, q, batch: int, context: int, causal
             notes.append(why)
         return best
     per = q.shape[0] // batch
-    k_cache, v_cache, table = _paged_cache(batch, context, vllm_layout=True)
+    k_cache, v_cache, table = paged_cache(batch, context, vllm_layout=True)
     seqused = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     cu_q = torch.arange(0, q.shape[0] + 1, per, device="cuda", dtype=torch.int32)
     out = torch.empty_like(q)
@@ -175,13 +179,18 @@ def training_table() -> str:
                           columns, rows)
 
 
-def _paged_cache(batch: int, context: int, vllm_layout: bool = False):
-    """K/V caches [pages, 8, PAGE, 128] (vllm_layout: vLLM's [pages, PAGE, 8, 128]) with each
-    request's pages in random order, and its table."""
-    pages = batch * (context // PAGE)
-    shape = (pages, PAGE, KV_HEADS, HEAD_DIM) if vllm_layout else (pages, KV_HEADS, PAGE, HEAD_DIM)
-    k_cache, v_cache = _randn(*shape), _randn(*shape)
-    table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, context // PAGE)
+def paged_cache(batch: int, context: int, vllm_layout: bool = False, generator=None, page: int = PAGE):
+    """K/V caches of `batch` requests of `context` keys, each request's pages in random order, and
+    their table. Lockstep's: the cache its vLLM backend allocates (kv_layout.py: [pages, 8, page,
+    2 x 128], a slot's key beside its value) as its key and value views, the layout a rollout runs;
+    vllm_layout: vLLM's FA3 layout, two [pages, page, 8, 128] caches."""
+    pages = batch * -(-context // page)
+    r = lambda *shape: torch.randn(*shape, device="cuda", dtype=DTYPE, generator=generator)  # noqa: E731
+    if vllm_layout:
+        k_cache, v_cache = r(pages, page, KV_HEADS, HEAD_DIM), r(pages, page, KV_HEADS, HEAD_DIM)
+    else:
+        k_cache, v_cache = split_kv_cache(r(*kv_cache_shape(pages, KV_HEADS, page, HEAD_DIM)))
+    table = torch.randperm(pages, device="cuda", dtype=torch.int32, generator=generator).view(batch, -1)
     return k_cache, v_cache, table
 
 
@@ -189,7 +198,7 @@ def prefill_table() -> str:
     rows, notes = [], []
     for tokens in PREFILL_TOKENS:
         q = _randn(tokens, HEADS, HEAD_DIM)
-        k_cache, v_cache, table = _paged_cache(1, tokens)
+        k_cache, v_cache, table = paged_cache(1, tokens)
         seq_lens = torch.tensor([tokens], device="cuda", dtype=torch.int32)
         qsl = torch.tensor([0, tokens], device="cuda", dtype=torch.int32)
 
@@ -225,7 +234,7 @@ def decode_table() -> str:
                 rows.append([batch, context, "-", "-", "-", "-", f">={TARGETS['decode']:.2f}", "skipped (memory)"])
                 continue
             q = _randn(batch, HEADS, HEAD_DIM)
-            k_cache, v_cache, table = _paged_cache(batch, context)
+            k_cache, v_cache, table = paged_cache(batch, context)
             seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
             qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
             ours_ms = graph_ms_per_call(lambda: K.paged_attention(q, k_cache, v_cache, table, seq_lens, qsl, SCALE, 1, context))
@@ -239,8 +248,9 @@ def decode_table() -> str:
             rows.append(_row([batch, context], best, ours_ms, "decode"))
             torch.cuda.empty_cache()
     columns = ["batch", "context", "fastest stock", "stock ms", "lockstep ms", "ratio", "target", "pass/miss"]
-    return _table(f"Decode: paged_attention (page {PAGE}, random page order) vs the fastest torch SDPA (contiguous "
-                  "cache) or vLLM FA3 (paged, random page order), CUDA graphs", columns, rows, notes)
+    return _table(f"Decode: paged_attention (page {PAGE}, random page order, the backend's layout) vs the fastest "
+                  "torch SDPA (contiguous cache) or vLLM FA3 (paged, random page order), CUDA graphs", columns, rows,
+                  notes)
 
 
 TABLES = {"training": training_table, "prefill": prefill_table, "decode": decode_table}

@@ -1,9 +1,11 @@
 """Tuning sweep for the Triton attention kernels on the GPU at hand (bf16, Qwen3-8B heads).
 
     python benchmarks/sweep_attention.py [--entries decode,prefill,prefill_linear,bwd_dkdv,bwd_dq]
-                                         [--train-seqs N] [--decode-cases BxC,...] [--only KEY=VALUE[|VALUE...]]
+                                         [--train-seqs N] [--decode-cases BxC,...] [--page KEYS]
+                                         [--only KEY=VALUE[|VALUE...]]
 
-Decode (one query per request, 16-token pages in random order) at the rollout workload's shape
+Decode (one query per request, 16-token pages in random order, --page: another size; the cache
+lockstep's vLLM backend allocates) at the rollout workload's shape
 (batch 128, 600 keys) and at the decode table's corners (or --decode-cases), a 4k-token prefill (paged), and training's
 forward and backward (varlen, N = 4 packed 4,096-token sequences by default, bench_attention.py's
 larger training row; N = 1 its smaller one). Every candidate of kernels/_triton/attention.py's
@@ -22,9 +24,9 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from _harness import graph_ms_per_call
+from bench_attention import paged_cache
 import lockstep.kernels as K
 from lockstep.kernels._triton import attention as A
 
@@ -38,7 +40,9 @@ CANDIDATES = {
     "prefill": [dict(GLUON=False, num_stages=s, PREFETCH=p) for p, stages in ((False, (2, 3, 4)), (True, (1, 3)))
                 for s in stages]
     # the warp-specialised Gluon kernel over the pages (boxes of a page), a ring of GLUON_STAGES blocks
-    + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)],
+    + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)]
+    # GLUON_Q_REGS: the consumers' q in registers (the q.k wgmmas read only K from shared memory)
+    + [dict(GLUON=True, GLUON_STAGES=s, GLUON_Q_REGS=True) for s in (3, 4)],
     # (swapped tiles with num_stages=1 faulted on the H200, Triton 3.6: the launcher refuses them)
     # TMA: the blocks before a tile's last through descriptors, pipelined over num_stages
     # (GLUON=False: the tl kernel, whose schedules these are)
@@ -48,7 +52,8 @@ CANDIDATES = {
     # 64-row tiles on one warpgroup: two programs an SM, each one's softmax beside the other's MMAs
     + [dict(GLUON=False, TMA=True, PREFETCH=False, BLOCK_Q=64, num_warps=4, num_stages=s) for s in (2, 3, 4)]
     # the warp-specialised Gluon kernel: a producer warp, two consumer warpgroups, a ring of GLUON_STAGES
-    + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)],
+    + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)]
+    + [dict(GLUON=True, GLUON_STAGES=s, GLUON_Q_REGS=True) for s in (3, 4)],
     # one program per BLOCK_KV keys looping over BLOCK_Q-row query tiles / one per BLOCK_Q rows over
     # BLOCK_KV-key blocks
     "bwd_dkdv": [dict(BLOCK_KV=kv, BLOCK_Q=bq, num_warps=w, num_stages=st, GLUON=False)
@@ -64,7 +69,9 @@ CANDIDATES = {
                                           (128, 64, 8, 3, True), (128, 32, 4, 4, True), (128, 64, 8, 2, True))]
     # the warp-specialised Gluon dQ (two consumer warpgroups of 64 rows sharing each K/V block, a
     # producer warp bringing the blocks through TMA): the tl kernel's sums at BLOCK_Q 64
-    + [dict(BLOCK_Q=64, BLOCK_KV=kv, GLUON=True, GLUON_STAGES=st) for kv in (32, 64) for st in (2, 3, 4)],
+    + [dict(BLOCK_Q=64, BLOCK_KV=kv, GLUON=True, GLUON_STAGES=st) for kv in (32, 64) for st in (2, 3, 4)]
+    # GLUON_Q_REGS: its consumers' q and dO in registers (the q.k and dO.v wgmmas read only K and V)
+    + [dict(BLOCK_Q=64, BLOCK_KV=64, GLUON=True, GLUON_STAGES=st, GLUON_Q_REGS=True) for st in (3, 4)],
     "decode": [dict(SWAP=False, num_stages=3, PREFETCH=False, PROGRAMS_PER_SM=4)]
     + [dict(SWAP=True, num_stages=s, PREFETCH=False, PROGRAMS_PER_SM=n) for s in (2, 3) for n in (2, 3, 4)]
     + [dict(SWAP=True, num_stages=3, PREFETCH=True, PROGRAMS_PER_SM=4)]
@@ -88,14 +95,12 @@ CANDIDATES = {
 
 
 def paged_inputs(batch: int, context: int, queries: int) -> tuple:
-    """The arguments of paged_attention for `batch` requests of `context` keys (16-key pages in random
-    order) and `queries` new tokens each, seeded by the shape."""
+    """The arguments of paged_attention for `batch` requests of `context` keys (PAGE-key pages in random
+    order, on the cache lockstep's vLLM backend allocates: bench_attention.paged_cache) and `queries`
+    new tokens each, seeded by the shape."""
     g = torch.Generator(device="cuda").manual_seed(batch * 7 + context)
-    r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
-    pages = batch * triton.cdiv(context, PAGE)
-    k_cache, v_cache = r(pages, KV_HEADS, PAGE, D), r(pages, KV_HEADS, PAGE, D)
-    table = torch.randperm(pages, device="cuda", dtype=torch.int32, generator=g).view(batch, -1)
-    q = r(batch * queries, HEADS, D)
+    k_cache, v_cache, table = paged_cache(batch, context, generator=g, page=PAGE)
+    q = torch.randn(batch * queries, HEADS, D, device="cuda", dtype=torch.bfloat16, generator=g)
     seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * queries
     return q, k_cache, v_cache, table, seq_lens, qsl, 1 / math.sqrt(D), queries, context
@@ -170,11 +175,14 @@ def main() -> None:
     p.add_argument("--train-seqs", type=int, default=4, help="4,096-token sequences of the training case")
     p.add_argument("--decode-cases", default=",".join(f"{b}x{c}" for b, c in DECODE),
                    help="decode shapes BATCHxCONTEXT, comma-separated")
+    p.add_argument("--page", type=int, default=PAGE, help="keys a page of the paged cases (16: vLLM's default "
+                   "block size, the tables'; a larger one times what a larger vLLM block_size would give)")
     p.add_argument("--only", action="append", default=[], help="KEY=VALUE: only the candidates whose KEY is VALUE "
                                                                  "(e.g. GLUON=True; VALUE|VALUE|...: any of these); "
                                                                  "repeated: all of them")
     args = p.parse_args()
-    entries, train_seqs = args.entries.split(","), args.train_seqs
+    global PAGE
+    entries, train_seqs, PAGE = args.entries.split(","), args.train_seqs, args.page
     for only in args.only:
         key, value = only.split("=", 1)
         for entry in CANDIDATES:

@@ -143,8 +143,10 @@ def _schedule(lens, n_decode, max_chunk, gen):
 
 def _serve_paged(q, k, v, cu, steps, page_size, gen, vllm_layout=False):
     """Run the steps against a paged cache ([pages, kv heads, page_size, D]; vllm_layout: K and V as
-    the two halves of vLLM's [pages, kv heads, page_size, 2 * D]); return every token's output,
-    packed like q."""
+    the two halves of the [pages, kv heads, page_size, 2 * D] that lockstep's vLLM backend allocates,
+    kv_layout.py); return every token's output, packed like q."""
+    from lockstep.framework.rollout.vllm_plugin.kv_layout import kv_cache_shape, split_kv_cache
+
     lens = (cu[1:] - cu[:-1]).tolist()
     starts = cu[:-1].tolist()
     pages_of = [-(-n // page_size) for n in lens]
@@ -152,8 +154,8 @@ def _serve_paged(q, k, v, cu, steps, page_size, gen, vllm_layout=False):
     shape = (n_pages, k.shape[1], page_size, k.shape[2])
     # never-written slots hold NaN: a kernel that lets them into a sum fails loudly
     if vllm_layout:
-        kv = torch.full((*shape[:3], 2 * shape[3]), float("nan"), dtype=k.dtype, device=k.device)
-        k_cache, v_cache = kv[..., :shape[3]], kv[..., shape[3]:]
+        kv = torch.full(kv_cache_shape(*shape), float("nan"), dtype=k.dtype, device=k.device)
+        k_cache, v_cache = split_kv_cache(kv)
     else:
         k_cache = torch.full(shape, float("nan"), dtype=k.dtype, device=k.device)
         v_cache = torch.full(shape, float("nan"), dtype=v.dtype, device=v.device)
@@ -442,14 +444,16 @@ WS_INTS = {"stride_table", "stride_page", "stride_slot", "n_heads", "kv_width", 
            "head_cols"}
 ws_desc = lambda box: f"tensordesc<bf16[{box}, 128],{gluon_layout([box, 128])!r}>"
 # training's linear K/V: no host descriptor (k_all, v_all None)
-gluon = compile_sm90(A._prefill_ws_kernel, lambda n: "i32" if n in WS_INTS else types(n),
-                     dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK, k_all=None,
-                          v_all=None, STAGES=cfg["GLUON_STAGES"], FROM_LENS=False), 4, 1)
+gluon, gluon_q_regs = (compile_sm90(A._prefill_ws_kernel, lambda n: "i32" if n in WS_INTS else types(n),
+                                    dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK,
+                                         k_all=None, v_all=None, STAGES=cfg["GLUON_STAGES"], FROM_LENS=False,
+                                         Q_REGS=q_regs), 4, 1) for q_regs in (cfg["GLUON_Q_REGS"], True))
 # vLLM's prefill: 16-key pages, positions from the sequence lengths
 cfg = A.TUNING["prefill"]
 gluon_paged = compile_sm90(A._prefill_ws_kernel, lambda n: ws_desc(16) if n.endswith("_all") else "i32"
                            if n in WS_INTS else types(n), dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK,
-                           KV_CHUNK=A.KV_CHUNK, BOX=16, STAGES=cfg["GLUON_STAGES"], FROM_LENS=True), 4, 1)
+                           KV_CHUNK=A.KV_CHUNK, BOX=16, STAGES=cfg["GLUON_STAGES"], FROM_LENS=True,
+                           Q_REGS=cfg["GLUON_Q_REGS"]), 4, 1)
 bwd_types = lambda n: "fp32" if n in ("qk_scale", "scale") else "*fp32" if n == "delta" else types(n)
 cfg = A.TUNING["bwd_dkdv"]
 dkdv = compile_sm90(A._bwd_dkdv_kernel, lambda n: "*i32" if n == "kv_count" else bwd_types(n),
@@ -462,8 +466,9 @@ cfg = A.TUNING["bwd_dq"]
 dq = compile_sm90(A._bwd_dq_kernel, lambda n: f"tensordesc<bf16[{cfg['BLOCK_KV']}, 128]>" if n.endswith("_desc")
                   else bwd_types(n), dict(GROUP=4, D=128, BLOCK_Q=cfg["BLOCK_Q"], BLOCK_KV=cfg["BLOCK_KV"], TMA=True),
                   cfg["num_warps"], cfg["num_stages"])
-dq_gluon = compile_sm90(A._bwd_dq_ws_kernel, lambda n: "i32" if n in WS_INTS else bwd_types(n),
-                        dict(GROUP=4, D=128, BLOCK_KV=cfg["BLOCK_KV"], STAGES=cfg["GLUON_STAGES"]), 4, 1)
+dq_gluon, dq_gluon_q_regs = (compile_sm90(A._bwd_dq_ws_kernel, lambda n: "i32" if n in WS_INTS else bwd_types(n),
+                                          dict(GROUP=4, D=128, BLOCK_KV=cfg["BLOCK_KV"], STAGES=cfg["GLUON_STAGES"],
+                                               Q_REGS=q_regs), 4, 1) for q_regs in (cfg["GLUON_Q_REGS"], True))
 cfg = A.TUNING["decode"]
 # (grids of splits only, of walks only (" in registers"; " deep": on the walk's ring) and of both)
 kinds = {"": (False, True), " in registers": (True, False), " mixed": (True, True)}
@@ -481,7 +486,8 @@ decode["swapped split deep"] = compile_sm90(
                                         PREFETCH=cfg["PREFETCH"], SWAP=True, PAGE_SHIFT=A.decode_page_shift(16),
                                         FLAT_STAGES=cfg["FLAT_STAGES"], **common), cfg["num_warps"],
     cfg["SPLIT_STAGES"])
-print(json.dumps([prefill, linear, gluon, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, decode]))
+print(json.dumps([prefill, linear, gluon, gluon_q_regs, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, dq_gluon_q_regs,
+                  decode]))
 """
 
 
@@ -494,12 +500,16 @@ def test_decode_and_prefill_multiply_with_wgmma():
     kernel spills, and the swapped ones fit the programs an SM that their grids count on."""
     from sm90 import probe
 
-    prefill, linear, gluon, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, decode = probe(_MMA_PROBE)
+    (prefill, linear, gluon, gluon_q_regs, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, dq_gluon_q_regs,
+     decode) = probe(_MMA_PROBE)
     assert {version for version, _ in prefill["mma"]} == {"3"}, f"expected wgmma (MMA v3) only, got {prefill['mma']}"
     # over a linear K/V (TMA loads) the prefill tile runs the same instructions, without spilling, and
     # so does its warp-specialised Gluon form (the consumers' 64-row wgmmas)
     assert linear["mma"] == prefill["mma"] and linear["spill_bytes"] == 0, (linear, prefill)
     assert gluon["mma"] == prefill["mma"] and gluon["spill_bytes"] == 0 and gluon["warp_specialized"], gluon
+    # with q in registers (GLUON_Q_REGS: the q.k wgmmas' A operand) the same instructions; the 32 more
+    # registers a thread spill 24 bytes, outside the block loop (probed: ptxas, cuobjdump)
+    assert gluon_q_regs["mma"] == prefill["mma"] and gluon_q_regs["spill_bytes"] <= 32, gluon_q_regs
     # ... also over vLLM's paged cache (16-key pages: four boxes a block; positions from the lengths)
     assert gluon_paged["mma"] == prefill["mma"] and gluon_paged["spill_bytes"] == 0, gluon_paged
     # dK/dV's Gluon form runs the tl kernel's instructions on 64 of its keys a consumer
@@ -510,6 +520,8 @@ def test_decode_and_prefill_multiply_with_wgmma():
     # dQ's Gluon form runs the tl kernel's instructions on 64 rows a consumer, without spilling
     assert dq_gluon["mma"] == dq["mma"] and dq_gluon["warp_specialized"] and dq_gluon["spill_bytes"] == 0, (dq_gluon,
                                                                                                         dq)
+    # ... and with q and dO in registers (GLUON_Q_REGS: the A operands of its q.k and dO.v wgmmas)
+    assert dq_gluon_q_regs["mma"] == dq["mma"] and dq_gluon_q_regs["spill_bytes"] == 0, dq_gluon_q_regs
     # no swapped decode kernel (the table's) spills; the padded ones hold 64-row tiles at the 255-register
     # limit, and the padded mixed grid (both paths in one kernel) spills 12 bytes (probed)
     for name, d in decode.items():
@@ -625,12 +637,14 @@ def test_gpu_accuracy_and_deterministic_backward(gpu_triton):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("q_regs", [False, True], ids=["q-shared", "q-registers"])
 @pytest.mark.parametrize("heads", [32, 16, 8, 64], ids=["group4", "group2", "group1", "group8"])
-def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monkeypatch, heads):
+def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monkeypatch, heads, q_regs):
     """The Gluon kernels over a linear K/V (the forward, dK/dV and dQ: TUNING["prefill_linear"],
     ["bwd_dkdv"] and ["bwd_dq"] with GLUON) against the tl kernels, packed and padded, bf16, head_dim 128, 8 kv
     heads: the same outputs, lse and gradients, bit for bit, with tails of a block, a chunk and a
-    tile, and a sequence shorter than one block."""
+    tile, and a sequence shorter than one block. The forward's and dQ's consumers take q (and dQ's
+    dO) from shared memory or from registers (GLUON_Q_REGS)."""
     from lockstep.kernels._triton import attention as A
 
     lens = [3001, 1024, 1777, 77, 5]
@@ -646,9 +660,10 @@ def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monke
     p_grad = torch.randn_like(padded[0])
 
     def run(gluon):
-        monkeypatch.setitem(A.TUNING, "prefill_linear", {**A.TUNING["prefill_linear"], "GLUON": gluon})
+        monkeypatch.setitem(A.TUNING, "prefill_linear", {**A.TUNING["prefill_linear"], "GLUON": gluon,
+                                                         "GLUON_Q_REGS": q_regs})
         monkeypatch.setitem(A.TUNING, "bwd_dkdv", {**A.TUNING["bwd_dkdv"], "GLUON": gluon})
-        monkeypatch.setitem(A.TUNING, "bwd_dq", {**A.TUNING["bwd_dq"], "GLUON": gluon})
+        monkeypatch.setitem(A.TUNING, "bwd_dq", {**A.TUNING["bwd_dq"], "GLUON": gluon, "GLUON_Q_REGS": q_regs})
         out, lse = torch.ops.lockstep.varlen_attention(q, k, v, cu, 0.088)
         grads = torch.ops.lockstep.varlen_attention_backward(grad, q, k, v, cu, out, lse, 0.088)
         p_out, p_lse = torch.ops.lockstep.causal_attention(*padded, pos, 0.088)
@@ -662,16 +677,20 @@ def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size,vllm_layout", [(16, True), (16, False), (32, True), (64, True), (128, False),
-                                                   (48, True)])
+@pytest.mark.parametrize("page_size,vllm_layout,q_regs", [(16, True, False), (16, True, True), (16, False, False),
+                                                          (32, True, False), (64, True, True), (128, False, False),
+                                                          (48, True, False)])
 def test_gpu_paged_prefill_takes_the_gluon_forward_with_the_training_bits(gpu_triton, monkeypatch, page_size,
-                                                                          vllm_layout):
+                                                                          vllm_layout, q_regs):
     """vLLM's prefill (TUNING["prefill"]["GLUON"]): pages of 16 or 32 keys (boxes of a page), 64 or
-    128 (a block's box in one page), vLLM's interleaved K/V or the benchmarks' layout, one prefill of
+    128 (a block's box in one page), vLLM's interleaved K/V or separate K and V caches, one prefill of
     every prompt and a schedule of chunked prefills beside decode steps (a cache of NaN where nothing
-    was written): every token's output equals training's, bit for bit. 48-key pages are not a
-    divisor or multiple of the 64-key block: the tl kernel takes them (the same bits)."""
+    was written): every token's output equals training's (the table's), bit for bit, with the
+    prefill's consumers taking q from shared memory or from registers (GLUON_Q_REGS). 48-key pages
+    are not a divisor or multiple of the 64-key block: the tl kernel takes them (the same bits)."""
     from lockstep.kernels._triton import attention as A
+
+    monkeypatch.setitem(A.TUNING, "prefill", {**A.TUNING["prefill"], "GLUON_Q_REGS": q_regs})
 
     calls = []
     real = A._prefill_ws

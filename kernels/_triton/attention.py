@@ -89,7 +89,8 @@ TUNING = {
     # 4k prompt (H200, benchmarks/sweep_attention.py, RESULTS.md)
     # GLUON (16-bit, Hopper): _prefill_ws_kernel as for "prefill_linear" below, each 64-key block as
     # TMA boxes of one page (four at vLLM's 16-key pages), a ring of GLUON_STAGES blocks
-    "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True, GLUON=True, GLUON_STAGES=3),
+    "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True, GLUON=True, GLUON_STAGES=3,
+                    GLUON_Q_REGS=False),
     # the same over a linear K/V (training's packed or padded one): TMA (on GPUs that have it) brings
     # every block but a tile's last through a descriptor, pipelined by Triton over num_stages (242
     # registers, no spill). sweep_attention.py, H200, 4 x 4,096 packed tokens, two calls: 2.09-2.18 ms
@@ -106,8 +107,15 @@ TUNING = {
     # fifteenth session's sweeps, two calls, bits checked): 4 stages 1,410 / 1,409 us, 3 stages 1,474 /
     # 1,467; with every block masked (before _ws_softmax skipped the mask of blocks a consumer's rows
     # see whole) 1,506 / 1,486 and 1,493 / 1,480
+    # GLUON_Q_REGS (both entries): each consumer holds its 64 rows of q in registers (32 a thread) as
+    # the q.k wgmma's A operand, so that the wgmma reads only K from shared memory. At 64-key blocks a
+    # q.k wgmma step (m64n64k16) reads as many bytes as the SM's shared memory delivers while it runs
+    # (4 KB in ~32 cycles); a block of both consumers reads ~132 KB (q.k, P@V's V, the ones, TMA's
+    # writes) in ~1,090 cycles of wgmma, ~100 KB with q in registers. ptxas (sm_90a): 16-24 bytes
+    # spilled, all outside the block loop. Not measured yet (the twenty-seventh session had no GPU):
+    # sweep_attention.py --entries prefill,prefill_linear --only 'GLUON_Q_REGS=True'
     "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True,
-                           GLUON_STAGES=4),
+                           GLUON_STAGES=4, GLUON_Q_REGS=False),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
     # group's query heads; the last of them to finish merges the chunk states, or with P = 1 the one
     # program merges in registers. SWAP: the dots run with their operands swapped, the heads as the
@@ -175,7 +183,14 @@ TUNING = {
     # 4 x 4,096 (sweep_attention.py, two calls): 3,745 / 3,690 us at 64-key blocks and 4 stages
     # (3 stages 3,768 / 3,686), against 3,957 / 3,834 at 32 keys and 4,108 for the tl kernel's
     # 64 x 32 at 4 stages; the tl kernel at 64 x 64 took 4,244
-    "bwd_dq": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=4, num_stages=4, TMA=True, GLUON=True, GLUON_STAGES=4),
+    # GLUON_Q_REGS: each consumer holds its q and dO rows in registers (64 a thread; ptxas: no spill), the A
+    # operands of its q.k and dO.v wgmmas, which then read only K and V from shared memory: ~128 KB a
+    # block of both consumers (with TMA's writes) instead of ~192 KB in ~1,540 cycles of wgmma. Not
+    # measured yet (no GPU in the twenty-seventh session): sweep_attention.py --entries bwd_dq
+    # --only 'GLUON_Q_REGS=True' (the backward's candidates are checked to a tolerance; the GPU
+    # tests check these bits against the tl kernel's)
+    "bwd_dq": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=4, num_stages=4, TMA=True, GLUON=True, GLUON_STAGES=4,
+                   GLUON_Q_REGS=False),
     # rows per program of the backward's delta (row sums of out * grad): a streaming read
     "bwd_delta": dict(BLOCK_R=32, num_warps=4),
 }
@@ -776,7 +791,7 @@ def _ws_softmax(s, blk, pos, m, qk_scale, n_full):
 @gluon.jit
 def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq, row0,
                  kv_head, n_heads, qk_scale, last, GROUP: gl.constexpr, KV_CHUNK: gl.constexpr, STAGES: gl.constexpr,
-                 FROM_LENS: gl.constexpr):
+                 FROM_LENS: gl.constexpr, Q_REGS: gl.constexpr):
     """Rows row0 .. row0 + 63 of the tile: every block folded into the chunk state, chunk states
     merged into the running state at each chunk's last block (or the tile's last), as _row_state."""
     ROWS: gl.constexpr = q_smem.shape[0]
@@ -803,8 +818,12 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
     # block blk's q.k runs while block blk - 1's P@V does, and block blk's softmax while that P@V
     # finishes (FA3's pipelining inside a warpgroup): block 0's q.k and softmax first, the last
     # block's P@V and merge after
+    if Q_REGS:  # the q.k wgmma's A operand from registers (RS): its shared-memory reads are K's alone
+        q_op = q_smem.load(gl.DotOperandLayout(0, S_L, 2))
+    else:
+        q_op = q_smem
     mbarrier.wait(ready.index(0), 0)
-    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
+    s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
     m_c, alpha, p = _ws_softmax(s, 0, pos, m_c, qk_scale, n_full)
     p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
     p_o = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, O_L, 2))
@@ -812,7 +831,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
         st = blk % STAGES
         prev = (blk - 1) % STAGES
         mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
-        s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_op, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
         l_c = warpgroup_mma(p_l, ones_smem, l_c * gl.convert_layout(alpha, L_L), is_async=True)
         acc_c = warpgroup_mma(p_o, v_smem.index(prev), acc_c * gl.convert_layout(alpha, O_L), is_async=True)
         s = warpgroup_mma_wait(num_outstanding=2, deps=(s, ))
@@ -847,13 +866,14 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
 def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stride_table, page_size, page_rows,
                        head_rows, head_cols, stride_slot, kv_width, n_heads, qk_scale, min_queries, n_seqs, k_all, v_all,
                        GROUP: gl.constexpr, D: gl.constexpr, KV_BLOCK: gl.constexpr, KV_CHUNK: gl.constexpr,
-                       BOX: gl.constexpr, STAGES: gl.constexpr, FROM_LENS: gl.constexpr):
+                       BOX: gl.constexpr, STAGES: gl.constexpr, FROM_LENS: gl.constexpr, Q_REGS: gl.constexpr):
     """_prefill_kernel, warp-specialised: a program per (128-row tile, kv head, sequence), ranked as
     _prefill_kernel's. K/V are read as a [rows, kv_width] matrix of row pitch stride_slot: the key
     in slot s of page p of kv head h is row p * page_rows + h * head_rows + s, at column h *
     head_cols; k_all, v_all: its host descriptors in BOX-key boxes for a paged K/V, None for a linear
     one (one page a sequence: the descriptors made here, ending at the tile's last key, serve every
-    block, and the launch carries no host descriptor)."""
+    block, and the launch carries no host descriptor). Q_REGS: TUNING's GLUON_Q_REGS (each consumer's
+    q in registers, the A operand of its q.k wgmmas)."""
     rank, kv_head, seq = _ranked_program(gl.program_id(0), n_heads // GROUP, n_seqs)
     begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
     tile = gl.cdiv(n_queries * GROUP, _WS_TILE) - 1 - rank  # rank 0: the sequence's latest queries
@@ -891,10 +911,11 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
         k_src, v_src = k_all, v_all
     gl.warp_specialize([
         (_ws_consumer, (q0_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
-                        tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, FROM_LENS)),
+                        tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, FROM_LENS,
+                        Q_REGS)),
         (_ws_consumer, (q1_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
                         tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES,
-                        FROM_LENS)),
+                        FROM_LENS, Q_REGS)),
         (_ws_producer, (k_src, v_src, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
                         head_row, kv_head * head_cols, hi, row_hi, last, STAGES)),
     ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
@@ -1241,9 +1262,11 @@ def _dq_ws_ds(s, dp, blk, pos, row_lse, row_delta, qk_scale, full, O_L: gl.const
 
 @gluon.jit
 def _dq_ws_consumer(q_smem, do_smem, k_smem, v_smem, ready, empty, dq, lse, delta, q_pos, begin, n_queries, row0,
-                    kv_head, n_heads, qk_scale, scale, last, GROUP: gl.constexpr, STAGES: gl.constexpr):
+                    kv_head, n_heads, qk_scale, scale, last, GROUP: gl.constexpr, STAGES: gl.constexpr,
+                    Q_REGS: gl.constexpr):
     """Rows row0 .. row0 + 63 of the program: dQ over blocks 0 .. their own last, in order (as
-    _bwd_dq_kernel's loops), then freeing the program's later blocks."""
+    _bwd_dq_kernel's loops), then freeing the program's later blocks. Q_REGS: q and dO in registers,
+    the A operands of the q.k and dO.v wgmmas."""
     ROWS: gl.constexpr = q_smem.shape[0]
     D: gl.constexpr = q_smem.shape[1]
     BLOCK_KV: gl.constexpr = k_smem.shape[1]
@@ -1265,16 +1288,21 @@ def _dq_ws_consumer(q_smem, do_smem, k_smem, v_smem, ready, empty, dq, lse, delt
     if n_mine > 0:
         # block blk's q.k and dO.v run while block blk - 1's dQ product does, and block blk's dS
         # while that product finishes: block 0's products and dS first, the last block's dQ after
+        if Q_REGS:
+            q_op = q_smem.load(gl.DotOperandLayout(0, S_L, 2))
+            do_op = do_smem.load(gl.DotOperandLayout(0, S_L, 2))
+        else:
+            q_op, do_op = q_smem, do_smem
         mbarrier.wait(ready.index(0), 0)
-        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
-        dp = warpgroup_mma(do_smem, v_smem.index(0).permute((1, 0)), s0, use_acc=False)
+        s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
+        dp = warpgroup_mma(do_op, v_smem.index(0).permute((1, 0)), s0, use_acc=False)
         ds = _dq_ws_ds(s, dp, 0, pos, row_lse, row_delta, qk_scale, full, O_L, k_smem.dtype)
         for blk in range(1, n_mine):
             st = blk % STAGES
             prev = (blk - 1) % STAGES
             mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
-            dp = warpgroup_mma(do_smem, v_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_op, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do_op, v_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
             dq_acc = warpgroup_mma(ds, k_smem.index(prev), dq_acc, is_async=True)
             s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))
             ds_next = _dq_ws_ds(s, dp, blk, pos, row_lse, row_delta, qk_scale, full, O_L, k_smem.dtype)
@@ -1298,10 +1326,11 @@ def _dq_ws_consumer(q_smem, do_smem, k_smem, v_smem, ready, empty, dq, lse, delt
 @gluon.jit
 def _bwd_dq_ws_kernel(q, k, v, do, lse, delta, dq, q_begin, q_count, q_pos, page_table, stride_table, page_rows,
                       head_rows, head_cols, stride_slot, kv_width, n_heads, qk_scale, scale, n_seqs,
-                      GROUP: gl.constexpr, D: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr):
+                      GROUP: gl.constexpr, D: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
+                      Q_REGS: gl.constexpr):
     """_bwd_dq_kernel over a linear K/V read through its _TmaView (a sequence's keys are consecutive
     rows from its page's first, kv head h's at row offset h * head_rows, column h * head_cols), 128
-    rows a program, warp-specialised."""
+    rows a program, warp-specialised. Q_REGS: TUNING["bwd_dq"]'s GLUON_Q_REGS (_dq_ws_consumer's)."""
     rank, kv_head, seq = _ranked_program(gl.program_id(0), n_heads // GROUP, n_seqs)  # as _bwd_dq_kernel's
     begin = gl.load(q_begin + seq)
     n_queries = gl.load(q_count + seq)
@@ -1334,9 +1363,10 @@ def _bwd_dq_ws_kernel(q, k, v, do, lse, delta, dq, q_begin, q_count, q_pos, page
     last = hi // BLOCK_KV
     gl.warp_specialize([
         (_dq_ws_consumer, (q0_smem, do0_smem, k_smem, v_smem, ready, empty, dq, lse, delta, q_pos, begin, n_queries,
-                           tile * _WS_TILE, kv_head, n_heads, qk_scale, scale, last, GROUP, STAGES)),
+                           tile * _WS_TILE, kv_head, n_heads, qk_scale, scale, last, GROUP, STAGES, Q_REGS)),
         (_dq_ws_consumer, (q1_smem, do1_smem, k_smem, v_smem, ready, empty, dq, lse, delta, q_pos, begin, n_queries,
-                           tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, scale, last, GROUP, STAGES)),
+                           tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, scale, last, GROUP, STAGES,
+                           Q_REGS)),
         (_dq_ws_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, desc_row, kv_head * head_cols, last, STAGES)),
     ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
     invalidate_ring(ready, empty, STAGES)
@@ -1563,7 +1593,7 @@ def _prefill_ws(queries: _Queries, keys: _Keys, view: _TmaView, out, lse, group:
         q, keys.k, keys.v, out, lse, *_query_args(queries), keys.table, keys.table.stride(0), keys.page_size,
         view.page_rows, view.head_rows, view.head_cols, keys.stride_slot, view.width, q.shape[1], qk_scale,
         min_queries, n_seqs, k_all, v_all, GROUP=group, D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, BOX=view.box,
-        STAGES=cfg["GLUON_STAGES"], FROM_LENS=queries.from_lens, num_warps=4)
+        STAGES=cfg["GLUON_STAGES"], FROM_LENS=queries.from_lens, Q_REGS=cfg["GLUON_Q_REGS"], num_warps=4)
 
 
 def _tma_capable(t: torch.Tensor) -> bool:
@@ -1719,7 +1749,7 @@ def _backward(grad, queries: _Queries, keys: _Keys, out, lse, scale: float):
             q, keys.k, keys.v, grad, lse, delta, dq, queries.begin, queries.count, queries.pos, keys.table,
             keys.table.stride(0), view.page_rows, view.head_rows, view.head_cols, keys.stride_slot, view.width, h,
             qk_scale, scale, n_seqs, GROUP=group, D=d, BLOCK_KV=cfg["BLOCK_KV"], STAGES=cfg["GLUON_STAGES"],
-            num_warps=4)
+            Q_REGS=cfg["GLUON_Q_REGS"], num_warps=4)
         return dq, dk, dv
     descs = _descriptors(keys, cfg["BLOCK_KV"]) if cfg.get("TMA") else (None, None)
     _bwd_dq_kernel[_ranked_grid(triton.cdiv(queries.max_count * group, cfg["BLOCK_Q"]), keys, n_seqs)](

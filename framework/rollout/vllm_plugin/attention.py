@@ -11,7 +11,7 @@ Capturable: no host synchronisation and no data-dependent shapes in the cache wr
 call (the maxima come from the metadata as Python ints), so vLLM's FULL_DECODE_ONLY CUDA graphs
 capture decode steps; prefills run between the compiled pieces (attention is a splitting op).
 
-KV cache, both vLLM versions: a per-layer [num_blocks, num_kv_heads, block_size, 2 * head_size]
+KV cache (kv_layout.py), both vLLM versions: a per-layer [num_blocks, num_kv_heads, block_size, 2 * head_size]
 view (keys in [..., :D], values in [..., D:]); only the logical view is indexed, so any physical
 layout vLLM picks works. Version differences are in the classmethods marked below.
 """
@@ -25,18 +25,13 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
                                        AttentionType, CommonAttentionMetadata, MultipleOf)
 
 from lockstep.framework.rollout.vllm_plugin.evidence import process_ops
+from lockstep.framework.rollout.vllm_plugin.kv_layout import kv_cache_shape, split_kv_cache
 from lockstep.kernels import write_paged_kv
 
 try:  # vLLM 0.32 (CPU CI); 0.26 has no KV-cache layout negotiation
     from vllm.v1.kv_cache_layout import KVCacheLayout
 except ImportError:  # pragma: no cover - vLLM 0.26
     KVCacheLayout = None
-
-
-def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[nb, Hkv, bs, 2*D] -> key, value views [nb, Hkv, bs, D] (equal strides, last dim contiguous)."""
-    d = kv_cache.shape[-1] // 2
-    return kv_cache[..., :d], kv_cache[..., d:]
 
 
 @dataclass
@@ -141,7 +136,7 @@ class LockstepAttentionBackend(AttentionBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                            cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        return (num_blocks, num_kv_heads, block_size, 2 * head_size)  # vLLM 0.26 allocates this
+        return kv_cache_shape(num_blocks, num_kv_heads, block_size, head_size)  # vLLM 0.26 allocates this
 
     @classmethod
     def supported_kv_cache_layouts(cls):  # vLLM 0.32 negotiates a physical layout
