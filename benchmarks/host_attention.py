@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import lockstep.kernels as K  # noqa: E402
 from lockstep.kernels._triton import attention as A  # noqa: E402
-from bench_attention import HEAD_DIM, HEADS, KV_HEADS, SCALE, _paged_cache, _randn  # noqa: E402
+from bench_attention import HEAD_DIM, HEADS, KV_HEADS, SCALE, paged_cache, _randn  # noqa: E402
 
 TOKENS = 4096
 
@@ -48,7 +48,7 @@ def main() -> None:
     out, lse = A._varlen(q, k, v, cu, SCALE, n)
     queries, keys = A._varlen_layout(q, k, v, cu, n)
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-    k_cache, v_cache, table = _paged_cache(1, n)
+    k_cache, v_cache, table = paged_cache(1, n)
     seq_lens = torch.tensor([n], device="cuda", dtype=torch.int32)
     qsl = torch.tensor([0, n], device="cuda", dtype=torch.int32)
     qb, kb = q.view(1, n, HEADS, HEAD_DIM).transpose(1, 2), k.view(1, n, KV_HEADS, HEAD_DIM).transpose(1, 2)

@@ -92,7 +92,7 @@ def _under_load(fn, seconds: float = 2.0) -> str:
 
 
 def clocks() -> None:
-    from bench_attention import DTYPE, HEAD_DIM, HEADS, KV_HEADS, SCALE, _paged_cache, _randn, sdpa
+    from bench_attention import DTYPE, HEAD_DIM, HEADS, KV_HEADS, SCALE, paged_cache, _randn, sdpa
     from torch.nn.attention import SDPBackend
     from lockstep.kernels._triton import logp as L
 
@@ -120,7 +120,7 @@ def clocks() -> None:
         # done-means 2's decode: batch 1 and 256 at 4k keys, against cuDNN on a contiguous cache
         for batch in (1, 256):
             q = _randn(batch, HEADS, HEAD_DIM)
-            k_cache, v_cache, table = _paged_cache(batch, 4096)
+            k_cache, v_cache, table = paged_cache(batch, 4096)
             lens = torch.full((batch,), 4096, device="cuda", dtype=torch.int32)
             qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
             print(f"decode {batch} x 4096 lockstep: "

@@ -169,6 +169,7 @@ def sweep(entry: str, name: str, fn) -> None:
 def main() -> None:
     import argparse
 
+    global PAGE
     p = argparse.ArgumentParser()
     p.add_argument("--entries", default="decode,prefill", help="TUNING entries to sweep (decode, prefill, "
                    "prefill_linear, bwd_dkdv, bwd_dq)")
@@ -181,7 +182,6 @@ def main() -> None:
                                                                  "(e.g. GLUON=True; VALUE|VALUE|...: any of these); "
                                                                  "repeated: all of them")
     args = p.parse_args()
-    global PAGE
     entries, train_seqs, PAGE = args.entries.split(","), args.train_seqs, args.page
     for only in args.only:
         key, value = only.split("=", 1)

@@ -39,3 +39,22 @@ def test_the_dockerfile_pins_what_pyproject_pins():
     from lockstep.framework.rollout.vllm_plugin import TESTED_VLLM_VERSIONS
 
     assert args["VLLM_VERSION"] in TESTED_VLLM_VERSIONS and torch == "2.11"  # vLLM 0.26 is built for torch 2.11
+
+
+def test_every_benchmark_script_imports_without_a_gpu():
+    """The benchmarks run only on the GPU host, where a session's device time is scarce: a script that
+    fails at import there (a renamed helper, a syntax error) costs a call. Each imports here, in a fresh
+    interpreter with benchmarks/ on its path as when run as a script; none touches CUDA at import."""
+    import os
+    import subprocess
+    import sys
+
+    scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
+    assert "bench_attention" in scripts and "sweep_attention" in scripts
+    code = ("import importlib, sys, traceback\nfailed = []\nfor name in sys.argv[1:]:\n    try:\n"
+            "        importlib.import_module(name)\n    except BaseException:\n"
+            "        failed.append(name + ': ' + traceback.format_exc(limit=2).splitlines()[-1])\n"
+            "print('\\n'.join(failed))\nsys.exit(1 if failed else 0)\n")
+    res = subprocess.run([sys.executable, "-c", code, *scripts], cwd=ROOT / "benchmarks", capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT / "benchmarks")})
+    assert res.returncode == 0, f"benchmark scripts that fail at import:\n{res.stdout}{res.stderr[-2000:]}"
