@@ -108,12 +108,13 @@ TUNING = {
     # 1,467; with every block masked (before _ws_softmax skipped the mask of blocks a consumer's rows
     # see whole) 1,506 / 1,486 and 1,493 / 1,480
     # GLUON_Q_REGS (both entries): each consumer holds its 64 rows of q in registers (32 a thread) as
-    # the q.k wgmma's A operand, so that the wgmma reads only K from shared memory. At 64-key blocks a
-    # q.k wgmma step (m64n64k16) reads as many bytes as the SM's shared memory delivers while it runs
-    # (4 KB in ~32 cycles); a block of both consumers reads ~132 KB (q.k, P@V's V, the ones, TMA's
-    # writes) in ~1,090 cycles of wgmma, ~100 KB with q in registers. ptxas (sm_90a): 16-24 bytes
-    # spilled, all outside the block loop. Not measured yet (the twenty-seventh session had no GPU):
-    # sweep_attention.py --entries prefill,prefill_linear --only 'GLUON_Q_REGS=True'
+    # the q.k wgmma's A operand, so that the wgmma reads only K from shared memory. A model, not a
+    # measurement: at 64-key blocks a q.k step (m64n64k16, both operands in shared memory) reads 4 KB
+    # for 32 cycles of the SM's bf16 wgmma rate, what 128 B a cycle of shared memory delivers in that
+    # time; a block of both consumers reads and writes ~132 KB (q.k, P@V's V, the ones, TMA's copies)
+    # against ~1,090 cycles of wgmma, ~100 KB with q in registers. ptxas (sm_90a): RS wgmmas, 16-24
+    # bytes spilled, all outside the block loop. Not measured yet (the twenty-seventh session had no
+    # GPU): sweep_attention.py --entries prefill,prefill_linear --only GLUON_Q_REGS=True
     "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True,
                            GLUON_STAGES=4, GLUON_Q_REGS=False),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
@@ -184,11 +185,11 @@ TUNING = {
     # (3 stages 3,768 / 3,686), against 3,957 / 3,834 at 32 keys and 4,108 for the tl kernel's
     # 64 x 32 at 4 stages; the tl kernel at 64 x 64 took 4,244
     # GLUON_Q_REGS: each consumer holds its q and dO rows in registers (64 a thread; ptxas: no spill), the A
-    # operands of its q.k and dO.v wgmmas, which then read only K and V from shared memory: ~128 KB a
-    # block of both consumers (with TMA's writes) instead of ~192 KB in ~1,540 cycles of wgmma. Not
-    # measured yet (no GPU in the twenty-seventh session): sweep_attention.py --entries bwd_dq
-    # --only 'GLUON_Q_REGS=True' (the backward's candidates are checked to a tolerance; the GPU
-    # tests check these bits against the tl kernel's)
+    # operands of its q.k and dO.v wgmmas, which then read only K and V from shared memory: by the
+    # model above, ~128 KB a block of both consumers (with TMA's copies) instead of ~192 KB, against
+    # ~1,540 cycles of wgmma. Not measured yet (no GPU in the twenty-seventh session):
+    # sweep_attention.py --entries bwd_dq --only GLUON_Q_REGS=True (the backward's candidates are
+    # checked to a tolerance there; the GPU tests check these bits against the tl kernel's)
     "bwd_dq": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=4, num_stages=4, TMA=True, GLUON=True, GLUON_STAGES=4,
                    GLUON_Q_REGS=False),
     # rows per program of the backward's delta (row sums of out * grad): a streaming read
