@@ -11,9 +11,9 @@ Capturable: no host synchronisation and no data-dependent shapes in the cache wr
 call (the maxima come from the metadata as Python ints), so vLLM's FULL_DECODE_ONLY CUDA graphs
 capture decode steps; prefills run between the compiled pieces (attention is a splitting op).
 
-KV cache (kv_layout.py), both vLLM versions: a per-layer [num_blocks, num_kv_heads, block_size, 2 * head_size]
-view (keys in [..., :D], values in [..., D:]); only the logical view is indexed, so any physical
-layout vLLM picks works. Version differences are in the classmethods marked below.
+KV cache, both vLLM versions (kv_layout.py): a per-layer [num_blocks, num_kv_heads, block_size,
+2 * head_size] view (keys in [..., :D], values in [..., D:]); only the logical view is indexed, so
+any physical layout vLLM picks works. Version differences are in the classmethods marked below.
 """
 from __future__ import annotations
 
