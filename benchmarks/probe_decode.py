@@ -13,9 +13,10 @@ on the GPU host, so this probe runs the split path's steps, built from attention
 blocks (_sequence, _query_pos, _block_kv, _fold_block, _merge), with a stamp (%globaltimer, ns, and
 the SM's %clock64) at each step a program waits on: entry, its keys' bound known (the sequence's
 length loaded), each 64-key block's maxima known (its K/V loaded and its q.k done), its states
-stored and its ticket back, and for the merging program the rows stored. Its outputs are checked bit for bit against the table's kernel, and its time
-against the table's (stamps cost a little), both by CUDA-graph replay. Also a kernel of the same
-grid that only reads the sequence's length and stores one value: what launching the grid costs.
+stored and its ticket back, and for the merging program the rows stored. Its outputs are checked
+bit for bit against the table's kernel, and its time against the table's (stamps cost a little),
+both by CUDA-graph replay. Also a kernel of the same grid that only reads the sequence's length and
+stores one value: what launching the grid costs.
 
 Per case it prints the table's and the traced kernel's time, the launch floor, and medians / maxima
 over programs: the start spread (entry after the first program's), entry to bound, bound to the

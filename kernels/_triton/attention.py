@@ -768,6 +768,18 @@ def _ws_merge(m, l, acc, m_c, l_c, acc_c):
 
 
 @gluon.jit
+def _wgmma_a(smem, ACC_L: gl.constexpr, REGS: gl.constexpr):
+    """A wgmma's A operand for accumulators of layout ACC_L: the shared-memory tile itself, or with
+    REGS (TUNING's GLUON_Q_REGS) the tile loaded into registers once, an RS wgmma's operand, so that
+    the wgmmas that reuse it read only their B operand from shared memory. The same arithmetic."""
+    if REGS:
+        a = smem.load(gl.DotOperandLayout(0, ACC_L, 2))
+    else:
+        a = smem
+    return a
+
+
+@gluon.jit
 def _mul_rn(x, c):
     """x * c rounded to fp32 (PTX mul.rn, which is never contracted into an fma)."""
     return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, c], dtype=gl.float32, is_pure=True,
@@ -819,10 +831,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
     # block blk's q.k runs while block blk - 1's P@V does, and block blk's softmax while that P@V
     # finishes (FA3's pipelining inside a warpgroup): block 0's q.k and softmax first, the last
     # block's P@V and merge after
-    if Q_REGS:  # the q.k wgmma's A operand from registers (RS): its shared-memory reads are K's alone
-        q_op = q_smem.load(gl.DotOperandLayout(0, S_L, 2))
-    else:
-        q_op = q_smem
+    q_op = _wgmma_a(q_smem, S_L, Q_REGS)
     mbarrier.wait(ready.index(0), 0)
     s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
     m_c, alpha, p = _ws_softmax(s, 0, pos, m_c, qk_scale, n_full)
@@ -1289,11 +1298,7 @@ def _dq_ws_consumer(q_smem, do_smem, k_smem, v_smem, ready, empty, dq, lse, delt
     if n_mine > 0:
         # block blk's q.k and dO.v run while block blk - 1's dQ product does, and block blk's dS
         # while that product finishes: block 0's products and dS first, the last block's dQ after
-        if Q_REGS:
-            q_op = q_smem.load(gl.DotOperandLayout(0, S_L, 2))
-            do_op = do_smem.load(gl.DotOperandLayout(0, S_L, 2))
-        else:
-            q_op, do_op = q_smem, do_smem
+        q_op, do_op = _wgmma_a(q_smem, S_L, Q_REGS), _wgmma_a(do_smem, S_L, Q_REGS)
         mbarrier.wait(ready.index(0), 0)
         s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
         dp = warpgroup_mma(do_op, v_smem.index(0).permute((1, 0)), s0, use_acc=False)
