@@ -1,10 +1,14 @@
-"""Decode attention A/B: another revision's Triton attention module against this tree's, on the decode
+"""Attention A/B: another revision's Triton attention module against this tree's, on the decode
 table's shapes (sweep_attention.paged_inputs: bf16, Qwen3-8B heads, 16-key pages in random order),
-paired CUDA-graph timing (the two sides alternate, the median turn of each kept) and the outputs
-compared bit for bit.
+paged prefills and training's varlen forward, paired CUDA-graph timing (the two sides alternate,
+the median turn of each kept) and the outputs compared bit for bit (a revision of other numerics,
+such as the twenty-eighth session's fma in the softmax, differs in every case: the column says
+so, and the times stand).
 
     git show REV:kernels/_triton/attention.py > OLD.py      # here; carry OLD.py to the GPU host
-    python benchmarks/ab_decode.py OLD.py [BxC,...]          # default: the decode table's corners
+    python benchmarks/ab_decode.py OLD.py [CASE,...]         # default: the decode table's corners
+    CASE: BxC (B requests of C keys, one query each: decode), BxCxQ (Q queries each: a paged
+    prefill of the last Q of C keys), trainN (the training forward: N packed 4,096-token sequences)
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _harness import paired_graph_ms  # noqa: E402
-from sweep_attention import paged_inputs  # noqa: E402
+from sweep_attention import HEADS, KV_HEADS, D, paged_inputs  # noqa: E402
 from lockstep.kernels._triton import attention as NEW  # noqa: E402
 
 CASES = "1x1024,1x4096,1x16384,16x1024,16x4096,16x16384,64x1024,64x4096,64x16384,256x1024,128x600"
@@ -31,19 +35,30 @@ def _module(path: str):
     return module
 
 
+def _sides(case: str, old) -> list:
+    """The two sides' calls of one CASE (module docstring), each returning the output."""
+    if case.startswith("train"):
+        seqs, seq = int(case[5:] or 4), 4096
+        g = torch.Generator(device="cuda").manual_seed(seqs)
+        q, k, v = (torch.randn(seqs * seq, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
+                   for h in (HEADS, KV_HEADS, KV_HEADS))
+        cu = torch.arange(0, seqs * seq + 1, seq, device="cuda", dtype=torch.int32)
+        return [lambda m=m: m._varlen(q, k, v, cu, 1 / D ** 0.5, seq)[0] for m in (old, NEW)]
+    batch, context, *queries = map(int, case.split("x"))
+    args = paged_inputs(batch, context, queries[0] if queries else 1)
+    return [lambda m=m: m._paged(*args) for m in (old, NEW)]
+
+
 def main() -> None:
     if len(sys.argv) < 2 or not torch.cuda.is_available():
         raise SystemExit(__doc__)
     old = _module(sys.argv[1])
-    cases = [tuple(map(int, c.split("x"))) for c in (sys.argv[2] if len(sys.argv) > 2 else CASES).split(",")]
-    print("| batch | context | other us | this tree us | other / this | bits |\n|---|---|---|---|---|---|")
-    for batch, context in cases:
-        args = paged_inputs(batch, context, 1)
-        sides = [lambda m=m: m._paged(*args) for m in (old, NEW)]
+    print("| case | other us | this tree us | other / this | bits |\n|---|---|---|---|---|")
+    for case in (sys.argv[2] if len(sys.argv) > 2 else CASES).split(","):
+        sides = _sides(case, old)
         same = torch.equal(sides[0](), sides[1]()) and torch.equal(sides[1](), sides[1]())
         a, b = paired_graph_ms(*sides)
-        print(f"| {batch} | {context} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.3f} | {'same' if same else 'DIFFER'} |",
-              flush=True)
+        print(f"| {case} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.3f} | {'same' if same else 'DIFFER'} |", flush=True)
         del sides
         torch.cuda.empty_cache()
 

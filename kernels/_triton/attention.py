@@ -9,7 +9,9 @@ Numerics (the bitwise contract):
   row's running state in increasing chunk order. Every reduction has a length and an order that
   do not depend on the query tiling: q.k is a tl.dot over D, P@V and the row sum of P are tl.dots
   over KV_BLOCK (the row sum multiplies P by a ones matrix: a tl.sum would reduce in the order of
-  the register layout, which follows the tile shape), the row max is exact in any order. Blocks
+  the register layout, which follows the tile shape), the row max is exact in any order. A
+  block's probabilities are exp2(fma(s, scale, -m)) with m the row's running max of s * scale (the
+  block's part: its max of s, times scale), one rounding a key in every kernel. Blocks
   past p inside p's last chunk are exact no-ops (scale by exp2(0) = 1, add exact zeros) and chunks
   past p merge as exact no-ops (their state is empty), so a tile of many queries and a lone
   decode query compute the same bits for a row.
@@ -331,25 +333,27 @@ def _empty_state(ROWS: tl.constexpr, D: tl.constexpr, SWAP: tl.constexpr):
 def _block_softmax(s, key_pos, pos, m, qk_scale, SWAP: tl.constexpr):
     """A key block's q.k products s -> (the rows' new max, the factor alpha that rescales their
     state, the unnormalised probabilities p in fp32): keys past a row's position are -inf. Written
-    in tl and called from the Gluon forward too (_ws_consumer): every kernel runs this expression.
-    The `where` stays even where every key is seen: it keeps s * qk_scale a rounded product (a
-    compiler could otherwise contract it with the subtraction below into one fma)."""
+    in tl and called from the Gluon forward too (_ws_consumer): every kernel runs this expression."""
     if SWAP:
         seen = key_pos[:, None] <= pos[None, :]
     else:
         seen = key_pos[None, :] <= pos[:, None]
-    return _scaled_softmax(tl.where(seen, s * qk_scale, float("-inf")), m, SWAP)
+    return _scaled_softmax(tl.where(seen, s, float("-inf")), m, qk_scale, SWAP)
 
 
 @triton.jit
-def _scaled_softmax(s, m, SWAP: tl.constexpr):
-    """_block_softmax from the block's scaled, masked products s (log2 units)."""
-    m_new = tl.maximum(m, _row_max(s, SWAP))
+def _scaled_softmax(s, m, qk_scale, SWAP: tl.constexpr):
+    """_block_softmax from the block's masked products s (keys a row must not see: -inf) and the
+    softmax scale in log2 units: the new max is the row max of s times qk_scale (rounding is
+    monotonic, so that is the max of the rounded scaled products: a multiply a row, not a key), and
+    p = exp2(fma(s, qk_scale, -max)), one rounding and one instruction a key (FA3's form; a masked
+    key's fma is -inf, its p 0)."""
+    m_new = tl.maximum(m, _row_max(s, SWAP) * qk_scale)
     # A row that has seen no key of this chunk yet has m_new = -inf; measuring from 0 keeps its
     # state exactly empty (l = 0, acc = 0) instead of NaN (exp2(-inf - -inf)).
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = _col(tl.math.exp2(m - m_ref), SWAP)
-    return m_new, alpha, tl.math.exp2(s - _col(m_ref, SWAP))
+    return m_new, alpha, tl.math.exp2(tl.math.fma(s, qk_scale, -_col(m_ref, SWAP)))
 
 
 @triton.jit
@@ -780,22 +784,14 @@ def _wgmma_a(smem, ACC_L: gl.constexpr, REGS: gl.constexpr):
 
 
 @gluon.jit
-def _mul_rn(x, c):
-    """x * c rounded to fp32 (PTX mul.rn, which is never contracted into an fma)."""
-    return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, c], dtype=gl.float32, is_pure=True,
-                                     pack=1)
-
-
-@gluon.jit
 def _ws_softmax(s, blk, pos, m, qk_scale, n_full):
     """_block_softmax of block blk for a consumer's rows (positions pos). A block that every row
-    sees whole (blk < n_full) skips the mask (its compares and selects): its products are rounded by
-    mul.rn, as the where rounds them in _block_softmax (no fma contraction either way), so every bit
-    is the masked expression's."""
+    sees whole (blk < n_full) skips the mask (its compares and selects): _scaled_softmax of the
+    products as they are, every bit the masked expression's."""
     KV_BLOCK: gl.constexpr = s.shape[1]
     key_pos = blk * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, s.type.layout))
     if blk < n_full:
-        m_new, alpha, p = _scaled_softmax(_mul_rn(s, qk_scale), m, False)
+        m_new, alpha, p = _scaled_softmax(s, m, qk_scale, False)
     else:
         m_new, alpha, p = _block_softmax(s, key_pos, pos, m, qk_scale, False)
     return m_new, alpha, p
