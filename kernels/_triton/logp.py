@@ -3,9 +3,9 @@
 Forward: one program per (row block, vocab chunk), launched as a 1-D grid in grouped order. A
 program walks its chunk in BLOCK_V-column tiles in increasing column order; a tile's logits are one
 fp32 accumulator built by a BLOCK_K loop over H in increasing k (operands through TMA), and the
-tile is folded at once into each row's running (max, sum exp, sum exp*z). (TAIL_SPLIT: a chunk's
-part-full last tile is multiplied as narrower dots and folded as the whole tile.) The [T, V] logits never
-exist: memory beyond the inputs is the [T, n_chunks] states.
+tile is folded at once into each row's running (max, sum exp, sum exp*z) (TAIL_SPLIT: a chunk's
+part-full last tile multiplied as narrower dots, folded as the whole tile). The [T, V] logits
+never exist: memory beyond the inputs is the [T, n_chunks] states.
 
 Batch invariance (bitwise, per row), by construction:
 - a logit is the same sum whatever tile or batch holds it: tl.dot reduces every output element
