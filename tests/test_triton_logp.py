@@ -211,8 +211,10 @@ def test_tail_split_changes_no_bit(dtype, width, monkeypatch):
     alone), a short last chunk (whole tiles: its tail differs), a shard's vocab_start, padded
     columns, a bias, per-row temperatures, entropy, targets in and out of the shard. The values are
     multiples of 1/8 whose sums are exact in fp32, so the interpreter's dots sum them to the same
-    bits in any order: what this checks is which columns the narrower dots multiply and where the
-    tile puts them (the GPU test of the Gluon forward checks the wgmma's sums)."""
+    bits in any order (with random values numpy's 16- and 32-wide products differ from the 128-wide
+    ones' in the last bit: its summation order follows the shape): what this checks is which columns
+    the narrower dots multiply and where the tile puts them (the GPU test of the Gluon forward checks
+    the wgmma's sums)."""
     triton_logp = _triton_logp_module()
     g = torch.Generator().manual_seed(width)
     t, h, v = 5, 128, 3 * width + 25
