@@ -48,7 +48,7 @@
 #   logp_support bench_logp.py's top-p replay table alone (the support kernel's bits against the reference first)
 #   sweep_support sweep_logp.py support: the support kernel's warps x slots against the reference's expression
 #   probe_limits benchmarks/probe_limits.py $PROBE_ARGS (default logp decode: linear-logp's weight traffic at
-#               T = 256, decode programs a pair forced)
+#               T = 256, decode programs a pair forced; clocks: clocks and power; mma: mma.sync's bits against wgmma's)
 #   probe_decode benchmarks/probe_decode.py $PROBE_ARGS (a timeline of the split decode path's programs: where a
 #               small batch's step waits; default batch 1 and 16 at 1k / 4k / 16k keys)
 #   sweep_gemm_column benchmarks/sweep_gemm.py --column (tiles up to 256 rows, swapped ones too, on qkv and gate_up;

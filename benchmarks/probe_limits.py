@@ -1,6 +1,6 @@
 """What limits issue 15's misses, measured (CUDA only; speed only, every variant's bits checked).
 
-    python benchmarks/probe_limits.py [logp] [decode] [clocks]
+    python benchmarks/probe_limits.py [logp] [decode] [clocks] [mma]
 
 logp: linear_logp at T = 256 runs 128 programs (two 128-row blocks x 64 vocab chunks) that each read
 their chunk's weight rows; the two row blocks of a chunk read the same rows. If they are fetched
@@ -14,6 +14,11 @@ row block; o_proj's tree at M = 1,024 and cuBLAS; decode at batch 1 and 256 x 4k
 Whether a kernel runs at the board's power limit (then its speed is its energy a step) or below it.
 decode: programs per (sequence, kv head) forced to 1-4 (or 4-8) at the decode table's larger
 batches, against the table's own choice, in paired CUDA-graph turns.
+mma: whether mma.sync (a 16-row tile on one warp) sums a bf16 dot chain to wgmma's bits (a 64-row
+tile on a warpgroup): the same 16 rows, K = 4,096 in BLOCK_K steps, several N and BLOCK_K, random
+and cancelling data; the instruction each compiled to is read from its PTX. Every lockstep table
+keeps its dots on wgmma because this was never checked (kernels/_triton/matmul_configs.py); if the
+bits agree, 16-row tiles (decode heads on one warp, small-M GEMMs) keep the contract.
 
 What it read (H200, twenty-first session; benchmarks/RESULTS.md): the forward at T = 256 0.558 ms,
 one 128-row block alone 0.461 ms; pacing the two row blocks' producers together in the Gluon
@@ -34,6 +39,8 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -167,7 +174,43 @@ def decode() -> None:
         torch.cuda.empty_cache()
 
 
+@triton.jit
+def _dot_chain(a_ptr, b_ptr, c_ptr, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """c = a[:BLOCK_M] @ b, fp32, one tl.dot per BLOCK_K step in increasing k (a [*, K], b [K, BLOCK_N])."""
+    rm, rn, rk = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptr + rm[:, None] * K + (k0 + rk)[None, :])
+        b = tl.load(b_ptr + (k0 + rk)[:, None] * BLOCK_N + rn[None, :])
+        acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + rm[:, None] * BLOCK_N + rn[None, :], acc)
+
+
+def mma() -> None:
+    k = 4096
+    print("| data | N | BLOCK_K | 16 rows, 1 warp | 64 rows, 4 warps | elements differing (of 16 x N) |\n"
+          "|---|---|---|---|---|---|")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for data in ("random", "cancelling"):
+        a = torch.randn(64, k, device="cuda", generator=g)
+        if data == "cancelling":  # large terms of alternating sign: sums that lose bits to cancellation
+            a = a * 64 * torch.where(torch.arange(k, device="cuda") % 2 == 0, 1.0, -1.0)
+        a = a.bfloat16()
+        for n in (16, 64, 128):
+            b = torch.randn(k, n, device="cuda", generator=g).bfloat16()
+            for block_k in (16, 64):
+                out, kinds = [], []
+                for rows, warps in ((16, 1), (64, 4)):
+                    c = torch.empty(rows, n, device="cuda")
+                    compiled = _dot_chain[(1,)](a, b, c, k, BLOCK_M=rows, BLOCK_N=n, BLOCK_K=block_k, num_warps=warps)
+                    ptx = compiled.asm["ptx"]
+                    kinds.append("wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "?")
+                    out.append(c[:16])
+                differ = int((out[0].view(torch.int32) != out[1].view(torch.int32)).sum())
+                print(f"| {data} | {n} | {block_k} | {kinds[0]} | {kinds[1]} | {differ} |", flush=True)
+
+
 if __name__ == "__main__":
     what = sys.argv[1:] or ["logp", "decode"]
     for name in what:
-        {"logp": logp, "decode": decode, "clocks": clocks}[name]()
+        {"logp": logp, "decode": decode, "clocks": clocks, "mma": mma}[name]()
