@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _harness import paired_graph_ms  # noqa: E402
-from sweep_attention import HEADS, KV_HEADS, D, paged_inputs  # noqa: E402
+from sweep_attention import paged_inputs, training_inputs  # noqa: E402
 from lockstep.kernels._triton import attention as NEW  # noqa: E402
 
 CASES = "1x1024,1x4096,1x16384,16x1024,16x4096,16x16384,64x1024,64x4096,64x16384,256x1024,128x600"
@@ -38,12 +38,9 @@ def _module(path: str):
 def _sides(case: str, old) -> list:
     """The two sides' calls of one CASE (module docstring), each returning the output."""
     if case.startswith("train"):
-        seqs, seq = int(case[5:] or 4), 4096
-        g = torch.Generator(device="cuda").manual_seed(seqs)
-        q, k, v = (torch.randn(seqs * seq, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
-                   for h in (HEADS, KV_HEADS, KV_HEADS))
-        cu = torch.arange(0, seqs * seq + 1, seq, device="cuda", dtype=torch.int32)
-        return [lambda m=m: m._varlen(q, k, v, cu, 1 / D ** 0.5, seq)[0] for m in (old, NEW)]
+        seq = 4096
+        q, k, v, _, cu, scale = training_inputs(int(case[5:] or 4) * seq, seq)
+        return [lambda m=m: m._varlen(q, k, v, cu, scale, seq)[0] for m in (old, NEW)]
     batch, context, *queries = map(int, case.split("x"))
     args = paged_inputs(batch, context, queries[0] if queries else 1)
     return [lambda m=m: m._paged(*args) for m in (old, NEW)]

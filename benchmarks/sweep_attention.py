@@ -119,14 +119,19 @@ def _case(batch: int, context: int, queries: int):
     return lambda: K.paged_attention(*args)
 
 
-def _training_case(tokens: int = 4 * 4096, seq: int = 4096):
-    """(forward, backward) of varlen attention on `tokens` packed tokens in sequences of `seq`: the
-    forward returns its output; the backward returns (dq, dk, dv) for a fixed output gradient."""
+def training_inputs(tokens: int = 4 * 4096, seq: int = 4096) -> tuple:
+    """(q, k, v, output gradient, cu_seqlens, scale) of varlen attention on `tokens` packed tokens in
+    sequences of `seq`, seeded by the token count."""
     g = torch.Generator(device="cuda").manual_seed(tokens)
     r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
     q, k, v, grad = r(tokens, HEADS, D), r(tokens, KV_HEADS, D), r(tokens, KV_HEADS, D), r(tokens, HEADS, D)
-    cu = torch.arange(0, tokens + 1, seq, device="cuda", dtype=torch.int32)
-    scale = 1 / math.sqrt(D)
+    return q, k, v, grad, torch.arange(0, tokens + 1, seq, device="cuda", dtype=torch.int32), 1 / math.sqrt(D)
+
+
+def _training_case(tokens: int = 4 * 4096, seq: int = 4096):
+    """(forward, backward) of varlen attention on training_inputs: the forward returns its output; the
+    backward returns (dq, dk, dv) for the fixed output gradient."""
+    q, k, v, grad, cu, scale = training_inputs(tokens, seq)
     out, lse = torch.ops.lockstep.varlen_attention(q, k, v, cu, scale, seq)  # (max_seqlen: no host sync)
     return (lambda: torch.ops.lockstep.varlen_attention(q, k, v, cu, scale, seq)[0],
             lambda: torch.ops.lockstep.varlen_attention_backward(grad, q, k, v, cu, out, lse, scale, seq))
