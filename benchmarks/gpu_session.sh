@@ -40,7 +40,8 @@
 #   sweep_attention benchmarks/sweep_attention.py (attention: tile, load schedule x stages; forwards bitwise-checked,
 #               backward tiles checked against the table's gradients; entries $SWEEP_ENTRIES, default decode,prefill;
 #               also prefill_linear, bwd_dkdv, bwd_dq: training's forward and backward on 4 x 4,096 packed tokens;
-#               $SWEEP_ARGS="--train-seqs 1": on one)
+#               $SWEEP_ARGS="--train-seqs 1": on one; "--contract KV_CHUNK=1024": the forward tables under another
+#               contract against the current one, in place of the candidates)
 #   sweep_logp  benchmarks/sweep_logp.py (linear-logp forwards: the tl kernel, the Gluon one's stages; T = 256, 4096)
 #   sweep_logp_each  the same, each candidate of $SWEEP_EACH in its own process under a timeout (a hung kernel costs
 #               one candidate, not the call)
@@ -136,7 +137,7 @@ for stage in "$@"; do
                > "$OUT/sweep_rowtree$tag.log" 2>&1
              tail -40 "$OUT/sweep_rowtree$tag.log" ;;
     sweep_attention) link_lockstep; timeout 330 python3 benchmarks/sweep_attention.py --entries "${SWEEP_ENTRIES:-decode,prefill}" ${SWEEP_ARGS:-} \
-               > "$OUT/sweep_attention.log" 2>&1; grep -E "BEST|DIFFER|failed" "$OUT/sweep_attention.log" ;;
+               > "$OUT/sweep_attention.log" 2>&1; grep -E "BEST|DIFFER|failed|CONTRACT" "$OUT/sweep_attention.log" ;;
     host_attention) link_lockstep; timeout 200 python3 benchmarks/host_attention.py > "$OUT/host_attention.log" 2>&1
              tail -14 "$OUT/host_attention.log" ;;
     attention) link_lockstep; timeout 330 python3 benchmarks/bench_attention.py --tables "${ATTENTION_TABLES:-training,prefill,decode}" \

@@ -3,6 +3,7 @@
     python benchmarks/sweep_attention.py [--entries decode,prefill,prefill_linear,bwd_dkdv,bwd_dq]
                                          [--train-seqs N] [--decode-cases BxC,...] [--page KEYS]
                                          [--only KEY=VALUE[|VALUE...]]
+                                         [--contract KEY=VALUE[,KEY=VALUE]] ...
 
 Decode (one query per request, 16-token pages in random order, --page: another size; the cache
 lockstep's vLLM backend allocates) at the rollout workload's shape
@@ -18,6 +19,13 @@ candidate's dots are wgmma, whose elements do not depend on the tile's shape or 
 forward candidate that changes one is reported and never a winner. Backward tiles set the order of
 the gradient sums, so a backward candidate's gradients are checked against the current table's to
 a bf16 tolerance instead, and for determinism (two calls, the same bits).
+
+--contract (repeated: each a contract) times the forward entries' current tables under other
+values of the contract's block sizes (KV_CHUNK, KV_BLOCK: kernels/_triton/attention.py reads them at
+call time) against the current ones, in place of the candidate sweep: what a contract change would
+give prefill and training and cost decode (its merge every KV_CHUNK keys, its decode programs a
+request). Other contracts give other bits by design, so nothing is bit-checked there; that every
+kernel agrees under a new contract is the GPU tests' part (run them under it before adopting it).
 """
 from __future__ import annotations
 
@@ -179,6 +187,46 @@ def sweep(entry: str, name: str, fn) -> None:
     print(f"BEST {entry} {name}: {best} {us:.1f} us vs current {base:.1f} us ({base / us:.3f}x)", flush=True)
 
 
+CONTRACT_KEYS = ("KV_BLOCK", "KV_CHUNK")
+
+
+def parse_contract(text: str) -> dict:
+    """--contract's KEY=VALUE,... as {KEY: int}: keys of CONTRACT_KEYS, chunks whole blocks."""
+    contract = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key not in CONTRACT_KEYS or not value.isdigit():
+            raise SystemExit(f"sweep_attention: --contract {text!r}: expected KEY=VALUE,... with KEY one of "
+                             f"{', '.join(CONTRACT_KEYS)} and VALUE a positive integer")
+        contract[key] = int(value)
+    block, chunk = (contract.get(k, getattr(A, k)) for k in CONTRACT_KEYS)
+    if block < 16 or block & (block - 1) or chunk % block:
+        raise SystemExit(f"sweep_attention: --contract {text!r}: KV_BLOCK={block} must be a power of two >= 16 "
+                         f"and KV_CHUNK={chunk} a multiple of it")
+    return contract
+
+
+def contracts(entry: str, name: str, fn, alternatives: list[dict]) -> None:
+    """TUNING[entry]'s current table on fn under each alternative contract against the current one."""
+    timer = lambda f: graph_ms_per_call(f) * 1e3  # noqa: E731 - as sweep() times
+    base = timer(fn)
+    current = {k: getattr(A, k) for k in CONTRACT_KEYS}
+    print(f"CONTRACT {entry} {name} {current}: {base:.1f} us", flush=True)
+    for alt in alternatives:
+        try:
+            for key, value in alt.items():
+                setattr(A, key, value)
+            fn()
+            us = timer(fn)
+        except Exception as e:  # noqa: BLE001 - a contract the kernels cannot run is reported, not timed
+            print(f"CONTRACT {entry} {name} {alt}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+            continue
+        finally:
+            for key, value in current.items():
+                setattr(A, key, value)
+        print(f"CONTRACT {entry} {name} {alt}: {us:.1f} us ({base / us:.3f}x the current contract)", flush=True)
+
+
 def main() -> None:
     import argparse
 
@@ -194,7 +242,11 @@ def main() -> None:
     p.add_argument("--only", action="append", default=[], help="KEY=VALUE: only the candidates whose KEY is VALUE "
                                                                  "(e.g. GLUON=True; VALUE|VALUE|...: any of these); "
                                                                  "repeated: all of them")
+    p.add_argument("--contract", action="append", default=[], help="KEY=VALUE,...: time the forward entries' "
+                   f"tables under this contract ({', '.join(CONTRACT_KEYS)}) instead of sweeping candidates; "
+                   "repeated: each (no bit check: another contract's bits differ by design)")
     args = p.parse_args()
+    alternatives = [parse_contract(c) for c in args.contract]
     entries, train_seqs, PAGE = args.entries.split(","), args.train_seqs, args.page
     for only in args.only:
         key, value = only.split("=", 1)
@@ -203,19 +255,25 @@ def main() -> None:
     unknown = set(entries) - set(CANDIDATES)
     if unknown:
         raise SystemExit(f"sweep_attention: no candidates for {sorted(unknown)}; entries: {sorted(CANDIDATES)}")
+    run = sweep
+    if alternatives:
+        if {e for e in entries if e.startswith("bwd")}:
+            raise SystemExit("sweep_attention: --contract times forward entries only (the backward recomputes "
+                             "its probabilities from the lse: no chunk or block of the contract)")
+        run = lambda entry, name, fn: contracts(entry, name, fn, alternatives)  # noqa: E731
     with K.using_backend("triton"):
         forward, backward = _training_case(train_seqs * 4096)
         if "prefill_linear" in entries:
-            sweep("prefill_linear", f"training forward, {train_seqs} x 4,096 packed", forward)
+            run("prefill_linear", f"training forward, {train_seqs} x 4,096 packed", forward)
         for entry in ("bwd_dkdv", "bwd_dq"):
             if entry in entries:
-                sweep(entry, f"training backward, {train_seqs} x 4,096 packed", backward)
+                run(entry, f"training backward, {train_seqs} x 4,096 packed", backward)
         if "decode" in entries:
             for batch, context in (map(int, case.split("x")) for case in args.decode_cases.split(",")):
-                sweep("decode", f"batch {batch} x {context} keys", _case(batch, context, 1))
+                run("decode", f"batch {batch} x {context} keys", _case(batch, context, 1))
         if "prefill" in entries:
             for tokens in PREFILL:
-                sweep("prefill", f"{tokens}-token prompt", _case(1, tokens, tokens))
+                run("prefill", f"{tokens}-token prompt", _case(1, tokens, tokens))
 
 
 if __name__ == "__main__":
