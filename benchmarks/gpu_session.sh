@@ -52,6 +52,8 @@
 #               T = 256, decode programs a pair forced; clocks: clocks and power; mma: mma.sync's bits against wgmma's)
 #   probe_decode benchmarks/probe_decode.py $PROBE_ARGS (a timeline of the split decode path's programs: where a
 #               small batch's step waits; default batch 1 and 16 at 1k / 4k / 16k keys)
+#   probe_prefill benchmarks/probe_prefill.py $PROBE_ARGS (the Gluon forward with its softmax, row sums or rescale
+#               left out, and without chunk merges, each timed against the whole: where prefill's time goes)
 #   sweep_gemm_column benchmarks/sweep_gemm.py --column (tiles up to 256 rows, swapped ones too, on qkv and gate_up;
 #               bits checked against the table's kernel)
 #   sweep_gemm_large benchmarks/sweep_gemm.py --large (warp-specialised tiles vs the table at M = 256 .. 4096 on
@@ -161,6 +163,8 @@ for stage in "$@"; do
                > "$OUT/probe_limits.log" 2>&1; tail -30 "$OUT/probe_limits.log" ;;
     probe_decode) link_lockstep; timeout 300 python3 benchmarks/probe_decode.py ${PROBE_ARGS:-} \
                > "$OUT/probe_decode.log" 2>&1; tail -30 "$OUT/probe_decode.log" ;;
+    probe_prefill) link_lockstep; timeout 240 python3 benchmarks/probe_prefill.py ${PROBE_ARGS:-} \
+               > "$OUT/probe_prefill.log" 2>&1; tail -20 "$OUT/probe_prefill.log" ;;
     logp)    link_lockstep; timeout 300 python3 benchmarks/bench_logp.py > "$OUT/logp.log" 2>&1; tail -30 "$OUT/logp.log" ;;
     kernels) link_lockstep; timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
     *)       echo "unknown stage $stage"; rc=2 ;;

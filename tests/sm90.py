@@ -12,17 +12,19 @@ from pathlib import Path
 import pytest
 
 
-def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: int, count: tuple = ()) -> dict:
     """types(arg name) -> Triton signature type of every non-constexpr argument. Returns the MMA
     (version, instruction shape) pairs of the TTGIR, ptxas' registers and spilled bytes, whether
-    the kernel was warp-specialised (a ttg.warp_specialize op: producer and consumer partitions) and
-    its shared memory. A Gluon kernel (gluon.jit) compiles from its own source; its tensor
+    the kernel was warp-specialised (a ttg.warp_specialize op: producer and consumer partitions), its
+    shared memory and, under "ptx", how many PTX instructions begin with each opcode in `count`. A Gluon kernel (gluon.jit) compiles from its own source; its tensor
     descriptors' types name their shared layout ("tensordesc<bf16[64, 64],NVMMASharedLayout(...)>")."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    # constexpr parameters left out take their defaults, as at a launch
+    constexprs = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **constexprs}
     names = [n for n in kernel.arg_names if n not in constexprs]
     sig = {n: types(n) for n in names}
     # what the launcher's specialisation tells the compiler: 16-byte aligned pointers and strides
@@ -40,8 +42,10 @@ def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: in
                              capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", out)
     spills = re.search(r"(\d+) bytes spill stores", out)
+    ops = [line.split()[0] for line in compiled.asm["ptx"].splitlines() if line.strip() and line[0] in " \t"]
     return {"mma": mma, "regs": int(regs.group(1)), "spill_bytes": int(spills.group(1)) if spills else 0,
-            "warp_specialized": "ttg.warp_specialize(" in compiled.asm["ttgir"], "shared_bytes": compiled.metadata.shared}
+            "warp_specialized": "ttg.warp_specialize(" in compiled.asm["ttgir"], "shared_bytes": compiled.metadata.shared,
+            "ptx": {op: sum(o.startswith(op) for o in ops) for op in count}}
 
 
 def probe(code: str):

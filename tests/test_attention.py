@@ -550,6 +550,49 @@ def test_decode_and_prefill_multiply_with_wgmma():
     assert prefill["spill_bytes"] <= 128, prefill
 
 
+_ABLATION_PROBE = r"""
+import json
+from sm90 import compile_sm90
+from lockstep.kernels._triton import attention as A
+
+INTS = {"stride_table", "page_size", "stride_slot", "n_heads", "min_queries", "n_seqs", "kv_width", "page_rows",
+        "head_rows", "head_cols"}
+POINTEE = {"lse": "fp32", "q_begin": "i32", "q_count": "i32", "q_pos": "i32", "page_table": "i32"}
+types = lambda n: "fp32" if n == "qk_scale" else "i32" if n in INTS else "*" + POINTEE.get(n, "bf16")
+cfg = A.TUNING["prefill_linear"]
+print(json.dumps({ablate: compile_sm90(A._prefill_ws_kernel, types, dict(
+    GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK, k_all=None, v_all=None,
+    STAGES=cfg["GLUON_STAGES"], FROM_LENS=False, Q_REGS=cfg["GLUON_Q_REGS"], ABLATE=ablate), 4, 1,
+    count=("ex2", "max.f32", "mul.f32", "wgmma.mma_async", "wgmma.mma_async.sync.aligned.m64n16k16"))
+    for ablate in (0, 1, 2, 4)}))
+"""
+
+
+def test_probe_prefill_ablations_leave_out_their_work():
+    """benchmarks/probe_prefill.py times the Gluon forward with parts of its consumers' work left out
+    (ABLATE); compiled for sm_90a, each variant lacks exactly its part, so that its time says what
+    that part costs: no softmax, no exponentials and maxima a key (the merges keep theirs) but the
+    same rescale; no row sums, no m64n16 wgmmas; no rescale, no multiplies of the chunk state (and
+    no alpha: its exponentials go too) but every wgmma."""
+    from sm90 import probe
+
+    whole, no_softmax, no_row_sums, no_rescale = probe(_ABLATION_PROBE).values()
+    wgmmas = whole["ptx"]["wgmma.mma_async"]
+    assert whole["mma"] == [["3", "[16, 128, 16]"], ["3", "[16, 16, 16]"], ["3", "[16, 64, 16]"]], whole
+    assert no_softmax["ptx"]["ex2"] * 8 < whole["ptx"]["ex2"] and no_softmax["ptx"]["max.f32"] * 4 < whole["ptx"]["max.f32"]
+    assert no_softmax["ptx"]["wgmma.mma_async"] == wgmmas and no_softmax["mma"] == whole["mma"]
+    assert whole["ptx"]["mul.f32"] - no_softmax["ptx"]["mul.f32"] < 32, (whole, no_softmax)  # (the max's scale a row)
+    ones_dots = "wgmma.mma_async.sync.aligned.m64n16k16"
+    assert whole["ptx"][ones_dots] > 0 and no_row_sums["ptx"][ones_dots] == 0, (whole, no_row_sums)
+    assert no_row_sums["ptx"]["wgmma.mma_async"] == wgmmas - whole["ptx"][ones_dots]
+    assert no_row_sums["ptx"]["ex2"] == whole["ptx"]["ex2"]
+    assert whole["ptx"]["mul.f32"] - no_rescale["ptx"]["mul.f32"] >= 2 * 64, (whole, no_rescale)  # (a block's 64 + 8)
+    assert no_rescale["ptx"]["wgmma.mma_async"] == wgmmas and no_rescale["mma"] == whole["mma"]
+    assert no_rescale["ptx"]["ex2"] < whole["ptx"]["ex2"]
+    # the probe's whole kernel is the table's: ABLATE's default
+    assert all(not v.get("spill_bytes") for v in (whole, no_softmax, no_row_sums, no_rescale))
+
+
 def test_custom_ops(triton_backend):
     q, k, v, cu = _packed([19, 5], 4, 2, 16, device=TRITON_DEVICE)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")

@@ -797,10 +797,44 @@ def _ws_softmax(s, blk, pos, m, qk_scale, n_full):
     return m_new, alpha, p
 
 
+# ABLATE (benchmarks/probe_prefill.py only; 0 everywhere else): bits of work the Gluon forward's
+# consumers leave out, so that a probe can time what each costs. The results are then wrong.
+_NO_SOFTMAX = gl.constexpr(1)  # P = the products as they are: no maxima, no exponentials a key
+_NO_ROW_SUMS = gl.constexpr(2)  # no ones-dot: the row sums stay zero
+_NO_RESCALE = gl.constexpr(4)  # the chunk state's accumulators not multiplied by alpha a block
+
+
+@gluon.jit
+def _ablated_softmax(s, blk, pos, m, qk_scale, n_full, ABLATE: gl.constexpr):
+    """_ws_softmax, or with ABLATE's _NO_SOFTMAX the products as P and qk_scale as alpha (a value the
+    compiler cannot know, so that the rescale stays)."""
+    if ABLATE & _NO_SOFTMAX:
+        m_new, alpha, p = m, _col(gl.full(m.shape, qk_scale, gl.float32, m.type.layout), False), s
+    else:
+        m_new, alpha, p = _ws_softmax(s, blk, pos, m, qk_scale, n_full)
+    return m_new, alpha, p
+
+
+@gluon.jit
+def _ws_fold(p_l, p_o, ones_smem, v_smem, st, l_c, acc_c, alpha, L_L: gl.constexpr, O_L: gl.constexpr,
+             is_async: gl.constexpr, ABLATE: gl.constexpr):
+    """A block's row-sum and P@V (V in ring slot st) wgmma chains on the chunk state rescaled by
+    alpha (ABLATE: less)."""
+    if not ABLATE & _NO_ROW_SUMS:
+        if not ABLATE & _NO_RESCALE:
+            l_c = l_c * gl.convert_layout(alpha, L_L)
+        l_c = warpgroup_mma(p_l, ones_smem, l_c, is_async=is_async)
+    v_block = v_smem.index(st)
+    if not ABLATE & _NO_RESCALE:
+        acc_c = acc_c * gl.convert_layout(alpha, O_L)
+    acc_c = warpgroup_mma(p_o, v_block, acc_c, is_async=is_async)
+    return l_c, acc_c
+
+
 @gluon.jit
 def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq, row0,
                  kv_head, n_heads, qk_scale, last, GROUP: gl.constexpr, KV_CHUNK: gl.constexpr, STAGES: gl.constexpr,
-                 FROM_LENS: gl.constexpr, Q_REGS: gl.constexpr):
+                 FROM_LENS: gl.constexpr, Q_REGS: gl.constexpr, ABLATE: gl.constexpr):
     """Rows row0 .. row0 + 63 of the tile: every block folded into the chunk state, chunk states
     merged into the running state at each chunk's last block (or the tile's last), as _row_state."""
     ROWS: gl.constexpr = q_smem.shape[0]
@@ -830,21 +864,21 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
     q_op = _wgmma_a(q_smem, S_L, Q_REGS)
     mbarrier.wait(ready.index(0), 0)
     s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
-    m_c, alpha, p = _ws_softmax(s, 0, pos, m_c, qk_scale, n_full)
+    m_c, alpha, p = _ablated_softmax(s, 0, pos, m_c, qk_scale, n_full, ABLATE)
     p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
     p_o = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, O_L, 2))
+    FOLD_GROUPS: gl.constexpr = 1 if ABLATE & _NO_ROW_SUMS else 2  # wgmma groups a block's fold commits
     for blk in range(1, last + 1):
         st = blk % STAGES
         prev = (blk - 1) % STAGES
         mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
         s = warpgroup_mma(q_op, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
-        l_c = warpgroup_mma(p_l, ones_smem, l_c * gl.convert_layout(alpha, L_L), is_async=True)
-        acc_c = warpgroup_mma(p_o, v_smem.index(prev), acc_c * gl.convert_layout(alpha, O_L), is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=2, deps=(s, ))
+        l_c, acc_c = _ws_fold(p_l, p_o, ones_smem, v_smem, prev, l_c, acc_c, alpha, L_L, O_L, True, ABLATE)
+        s = warpgroup_mma_wait(num_outstanding=FOLD_GROUPS, deps=(s, ))
         m_done = m_c  # block blk - 1's chunk max
         if blk % (KV_CHUNK // KV_BLOCK) == 0:  # block blk starts a chunk: from the empty state
             m_c = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
-        m_c, alpha, p = _ws_softmax(s, blk, pos, m_c, qk_scale, n_full)
+        m_c, alpha, p = _ablated_softmax(s, blk, pos, m_c, qk_scale, n_full, ABLATE)
         l_c, acc_c, p_l, p_o = warpgroup_mma_wait(num_outstanding=0, deps=(l_c, acc_c, p_l, p_o))
         mbarrier.arrive(empty.index(prev), count=1)
         p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
@@ -854,8 +888,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
             l_c = gl.zeros([ROWS, SUM_COLS], gl.float32, L_L)
             acc_c = gl.zeros([ROWS, D], gl.float32, O_L)
     st = last % STAGES
-    l_c = warpgroup_mma(p_l, ones_smem, l_c * gl.convert_layout(alpha, L_L))
-    acc_c = warpgroup_mma(p_o, v_smem.index(st), acc_c * gl.convert_layout(alpha, O_L))
+    l_c, acc_c = _ws_fold(p_l, p_o, ones_smem, v_smem, st, l_c, acc_c, alpha, L_L, O_L, False, ABLATE)
     mbarrier.arrive(empty.index(st), count=1)
     m, l, acc = _ws_merge(m, l, acc, m_c, l_c, acc_c)
     rows = gl.convert_layout(rows, ROW_O)
@@ -872,14 +905,16 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
 def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, stride_table, page_size, page_rows,
                        head_rows, head_cols, stride_slot, kv_width, n_heads, qk_scale, min_queries, n_seqs, k_all, v_all,
                        GROUP: gl.constexpr, D: gl.constexpr, KV_BLOCK: gl.constexpr, KV_CHUNK: gl.constexpr,
-                       BOX: gl.constexpr, STAGES: gl.constexpr, FROM_LENS: gl.constexpr, Q_REGS: gl.constexpr):
+                       BOX: gl.constexpr, STAGES: gl.constexpr, FROM_LENS: gl.constexpr, Q_REGS: gl.constexpr,
+                       ABLATE: gl.constexpr = 0):
     """_prefill_kernel, warp-specialised: a program per (128-row tile, kv head, sequence), ranked as
     _prefill_kernel's. K/V are read as a [rows, kv_width] matrix of row pitch stride_slot: the key
     in slot s of page p of kv head h is row p * page_rows + h * head_rows + s, at column h *
     head_cols; k_all, v_all: its host descriptors in BOX-key boxes for a paged K/V, None for a linear
     one (one page a sequence: the descriptors made here, ending at the tile's last key, serve every
     block, and the launch carries no host descriptor). Q_REGS: TUNING's GLUON_Q_REGS (each consumer's
-    q in registers, the A operand of its q.k wgmmas)."""
+    q in registers, the A operand of its q.k wgmmas). ABLATE: 0, or work left out for a probe (above
+    _ablated_softmax)."""
     rank, kv_head, seq = _ranked_program(gl.program_id(0), n_heads // GROUP, n_seqs)
     begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
     tile = gl.cdiv(n_queries * GROUP, _WS_TILE) - 1 - rank  # rank 0: the sequence's latest queries
@@ -918,10 +953,10 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
     gl.warp_specialize([
         (_ws_consumer, (q0_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
                         tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, FROM_LENS,
-                        Q_REGS)),
+                        Q_REGS, ABLATE)),
         (_ws_consumer, (q1_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
                         tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES,
-                        FROM_LENS, Q_REGS)),
+                        FROM_LENS, Q_REGS, ABLATE)),
         (_ws_producer, (k_src, v_src, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
                         head_row, kv_head * head_cols, hi, row_hi, last, STAGES)),
     ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
@@ -1578,8 +1613,9 @@ def _tma_view(keys: _Keys) -> _TmaView | None:
 
 
 def _prefill_ws(queries: _Queries, keys: _Keys, view: _TmaView, out, lse, group: int, qk_scale: float,
-                min_queries: int, cfg: dict, entry: str) -> None:
-    """_prefill_ws_kernel over sequences with at least min_queries queries (TUNING[entry]: cfg)."""
+                min_queries: int, cfg: dict, entry: str, ablate: int = 0) -> None:
+    """_prefill_ws_kernel over sequences with at least min_queries queries (TUNING[entry]: cfg);
+    ablate: the kernel's ABLATE (benchmarks/probe_prefill.py's; 0, the whole kernel, everywhere else)."""
     if cfg["GLUON_STAGES"] < 2:  # a consumer frees a block's slot after waiting for the next block
         raise ValueError(f"attention (triton): TUNING['{entry}'] has GLUON with GLUON_STAGES="
                          f"{cfg['GLUON_STAGES']}; the Gluon forward's ring needs at least 2")
@@ -1595,7 +1631,8 @@ def _prefill_ws(queries: _Queries, keys: _Keys, view: _TmaView, out, lse, group:
         q, keys.k, keys.v, out, lse, *_query_args(queries), keys.table, keys.table.stride(0), keys.page_size,
         view.page_rows, view.head_rows, view.head_cols, keys.stride_slot, view.width, q.shape[1], qk_scale,
         min_queries, n_seqs, k_all, v_all, GROUP=group, D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, BOX=view.box,
-        STAGES=cfg["GLUON_STAGES"], FROM_LENS=queries.from_lens, Q_REGS=cfg["GLUON_Q_REGS"], num_warps=4)
+        STAGES=cfg["GLUON_STAGES"], FROM_LENS=queries.from_lens, Q_REGS=cfg["GLUON_Q_REGS"], ABLATE=ablate,
+        num_warps=4)
 
 
 def _tma_capable(t: torch.Tensor) -> bool:

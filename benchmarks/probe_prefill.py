@@ -1,0 +1,87 @@
+"""Where the Gluon forward's time goes (training's, prefill's): the same kernel with parts of its
+consumers' work left out, each timed against the whole (CUDA only; Hopper, bf16).
+
+    python benchmarks/probe_prefill.py [--seqs N] [--chunks 256,1048576]
+
+No profiler runs on the GPU host, so this probe times ablations. _prefill_ws_kernel takes ABLATE
+(kernels/_triton/attention.py, above _ablated_softmax; 0 in every real call): no softmax (P = the
+products, alpha = 1: no maxima or exponentials), no ones-dot row sums, no rescale of the chunk
+state a block, or all three (what is left: the ring, the barriers and the q.k and P@V wgmmas).
+Each runs at the contract's KV_CHUNK and at --chunks' others (1,048,576: no chunk merge but the
+tile's last), on training's forward (sweep_attention.training_inputs: N packed 4,096-token
+sequences, Qwen3-8B heads), launched as the table launches it (_prefill_ws, TUNING["prefill_linear"]).
+An ablation's outputs are wrong by design; only times are compared. For scale, the fastest torch
+SDPA forward (bench_attention.fastest_sdpa, causal, the sequences as a batch) on the same inputs.
+
+Prints a table: variant, KV_CHUNK, us (CUDA-graph replay of 10 calls), the whole kernel's time over
+the variant's, and TFLOP/s (the causal forward's 4 * D * S * (S + 1) / 2 flops a head a sequence).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _harness import graph_ms_per_call, markdown_table  # noqa: E402
+from bench_attention import fastest_sdpa, sdpa  # noqa: E402
+from sweep_attention import training_inputs  # noqa: E402
+from lockstep.kernels._triton import attention as A  # noqa: E402
+
+SEQ = 4096
+VARIANTS = {"whole": 0, "no softmax": A._NO_SOFTMAX.value, "no row sums": A._NO_ROW_SUMS.value,
+            "no rescale": A._NO_RESCALE.value,
+            "MMAs only": A._NO_SOFTMAX.value | A._NO_ROW_SUMS.value | A._NO_RESCALE.value}
+
+
+def _forward(q, k, v, cu, scale, ablate: int):
+    """The table's Gluon forward over the packed sequences (what varlen_attention launches), with ABLATE."""
+    queries, keys = A._varlen_layout(q, k, v, cu, SEQ)
+    view = A._gluon_view(keys)
+    if view is None or not A.TUNING["prefill_linear"].get("GLUON"):
+        raise SystemExit("probe_prefill: the Gluon forward does not run here (Hopper, bf16, TUNING['prefill_linear']"
+                         "['GLUON'])")
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], device=q.device, dtype=torch.float32)
+    group = q.shape[1] // keys.n_heads
+    A._prefill_ws(queries, keys, view, out, lse, group, scale * A._LOG2E, 1, A.TUNING["prefill_linear"],
+                  "prefill_linear", ablate=ablate)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqs", type=int, default=4, help="packed 4,096-token sequences")
+    p.add_argument("--chunks", default=f"{A.KV_CHUNK},1048576", help="KV_CHUNK values, comma-separated")
+    args = p.parse_args()
+    q, k, v, _, cu, scale = training_inputs(args.seqs * SEQ, SEQ)
+    flops = 4 * q.shape[2] * SEQ * (SEQ + 1) / 2 * q.shape[1] * args.seqs
+    whole = _forward(q, k, v, cu, scale, 0)
+    if not torch.equal(whole, torch.ops.lockstep.varlen_attention(q, k, v, cu, scale, SEQ)[0]):
+        raise SystemExit("probe_prefill: the probe's launch of the whole kernel does not give varlen_attention's bits")
+    contract = A.KV_CHUNK
+    rows, base = [], None
+    for chunk in (int(c) for c in args.chunks.split(",")):
+        A.KV_CHUNK = chunk
+        try:
+            for name, ablate in VARIANTS.items():
+                us = graph_ms_per_call(lambda: _forward(q, k, v, cu, scale, ablate)) * 1e3
+                base = us if base is None else base
+                rows.append([name, chunk, us, base / us, flops / us / 1e6])
+                print(f"{name} KV_CHUNK={chunk}: {us:.1f} us", flush=True)
+        finally:
+            A.KV_CHUNK = contract
+    batch = lambda t: t.view(args.seqs, SEQ, t.shape[1], t.shape[2]).transpose(1, 2).contiguous()  # noqa: E731
+    qb, kb, vb = batch(q), batch(k), batch(v)
+    ms, backend = fastest_sdpa(graph_ms_per_call, lambda b: sdpa(b, qb, kb, vb, True))
+    rows.append([f"torch SDPA forward ({backend})", "-", ms * 1e3, base / (ms * 1e3), flops / (ms * 1e3) / 1e6])
+    print(markdown_table(f"Gluon forward ablations, {args.seqs} x {SEQ} packed tokens, bf16, 32 / 8 heads, D 128 "
+                         f"({torch.cuda.get_device_name()})",
+                         ["variant", "KV_CHUNK", "us", "whole / variant", "TFLOP/s"], rows))
+
+
+if __name__ == "__main__":
+    main()
