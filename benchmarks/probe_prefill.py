@@ -70,14 +70,15 @@ def main() -> None:
             for name, ablate in VARIANTS.items():
                 us = graph_ms_per_call(lambda: _forward(q, k, v, cu, scale, ablate)) * 1e3
                 base = us if base is None else base
-                rows.append([name, chunk, us, base / us, flops / us / 1e6])
+                rows.append([name, chunk, f"{us:.1f}", f"{base / us:.3f}", f"{flops / us / 1e6:.0f}"])
                 print(f"{name} KV_CHUNK={chunk}: {us:.1f} us", flush=True)
         finally:
             A.KV_CHUNK = contract
     batch = lambda t: t.view(args.seqs, SEQ, t.shape[1], t.shape[2]).transpose(1, 2).contiguous()  # noqa: E731
     qb, kb, vb = batch(q), batch(k), batch(v)
     ms, backend = fastest_sdpa(graph_ms_per_call, lambda b: sdpa(b, qb, kb, vb, True))
-    rows.append([f"torch SDPA forward ({backend})", "-", ms * 1e3, base / (ms * 1e3), flops / (ms * 1e3) / 1e6])
+    us = ms * 1e3
+    rows.append([f"torch SDPA forward ({backend})", "-", f"{us:.1f}", f"{base / us:.3f}", f"{flops / us / 1e6:.0f}"])
     print(markdown_table(f"Gluon forward ablations, {args.seqs} x {SEQ} packed tokens, bf16, 32 / 8 heads, D 128 "
                          f"({torch.cuda.get_device_name()})",
                          ["variant", "KV_CHUNK", "us", "whole / variant", "TFLOP/s"], rows))
