@@ -100,11 +100,10 @@ CANDIDATES = {
     # FLAT_STAGES (0: a loop a chunk on SPLIT_STAGES' ring, as a program of one chunk always runs)
     + [dict(FLAT_STAGES=f) for f in (0, 4, 5, 6)]
     # one or two warps a program: the heads padded to 16 rows run mma.sync (m16n8k16), not wgmma, and
-    # with one warp a block's maxima and P never leave it (no barrier, no shared-memory trip). Whether
-    # mma.sync sums a k step to wgmma's bits is open (kernels/_triton/matmul_configs.py): these
-    # candidates answer it (BITS DIFFER, or not) before their time counts. sm_90a (ptxas): one warp
-    # 255 registers, ~370 bytes spilled, 36 KB of shared memory at 2 stages, 70 KB at 3; two warps
-    # 36 bytes spilled, 38 KB
+    # with one warp a block's maxima and P never leave it (no barrier, no shared-memory trip). sm_90a
+    # (ptxas): one warp 255 registers, ~370 bytes spilled, 36 KB of shared memory at 2 stages, 70 KB
+    # at 3; two warps 36 bytes spilled, 38 KB. The twenty-ninth session (H200): the table's bits in
+    # every case (mma.sync sums as wgmma does: probe_limits.py mma), but 0.49-0.98x its time
     + [dict(SWAP=False, MIN_ROWS=16, num_warps=w, num_stages=s, PROGRAMS_PER_SM=n, SPLIT_STAGES=s, SPLIT_PER_SM=n,
             FLAT_STAGES=0, WALK_STAGES=s, WALK_PER_SM=n) for w, s, n in ((1, 2, 6), (1, 3, 3), (2, 2, 5))]
 }

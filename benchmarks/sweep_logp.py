@@ -1,6 +1,5 @@
 """The fused linear-logp forward's kernels (bf16, H=4096, V=151936): the tl kernel against the
-warp-specialised Gluon one at each stage count and against itself with TAIL_SPLIT (a chunk's
-part-full last tile as narrower dots), against the bare LM-head GEMM measured alongside.
+warp-specialised Gluon one at each stage count, against the bare LM-head GEMM measured alongside.
 The kernel and its stages decide only how the same dots and folds are scheduled, never a row's
 arithmetic (kernels/_triton/logp.py): every candidate's output is checked bitwise against the tl
 kernel's (the first candidate) before it is timed. Kernel time on both sides (CUDA-graph replays
@@ -23,23 +22,19 @@ from bench_logp import SUPPORT_TOKENS, SUPPORT_WIDTHS, fwd_pair_ms
 import lockstep.kernels as K
 from lockstep.kernels._triton import logp as triton_logp
 
-# (label, the Gluon forward's stages or 0 for the tl kernel, TAIL_SPLIT); the first: the tl kernel
-# (its row block per T _block_t's) with whole last tiles. The schedules measured on the way to the
-# Gluon kernel's (one tile a step; each step's wgmmas waited for) are in benchmarks/RESULTS.md,
-# eleventh session.
+# (label, the Gluon forward's stages or 0 for the tl kernel); the first: the tl kernel (its row block
+# per T _block_t's). The schedules measured on the way to the Gluon kernel's (one tile a step; each
+# step's wgmmas waited for) are in benchmarks/RESULTS.md, eleventh session.
 CANDIDATES = [
-    ("tl kernel", 0, False),
-    ("Gluon, 4 stages", 4, False),
-    ("Gluon, 3 stages", 3, False),
-    # a chunk's part-full last tile as narrower dots (Qwen3: 64 + 16 columns for 70)
-    ("tl kernel, tail split", 0, True),
+    ("tl kernel", 0),
+    ("Gluon, 4 stages", 4),
+    ("Gluon, 3 stages", 3),
 ]
 H, V = 4096, 151936
 
 
-def _use(ws_stages, tail_split) -> None:
+def _use(ws_stages) -> None:
     triton_logp.WS_FORWARD, triton_logp.WS_STAGES = ws_stages > 0, ws_stages or triton_logp.WS_STAGES
-    triton_logp.TAIL_SPLIT = tail_split
     triton_logp.WS_MIN_ITEMS_PER_PROGRAM = 0  # a Gluon candidate runs at every T
 
 

@@ -447,7 +447,7 @@ ws_desc = lambda box: f"tensordesc<bf16[{box}, 128],{gluon_layout([box, 128])!r}
 gluon, gluon_q_regs = (compile_sm90(A._prefill_ws_kernel, lambda n: "i32" if n in WS_INTS else types(n),
                                     dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK,
                                          k_all=None, v_all=None, STAGES=cfg["GLUON_STAGES"], FROM_LENS=False,
-                                         Q_REGS=q_regs), 4, 1) for q_regs in (cfg["GLUON_Q_REGS"], True))
+                                         Q_REGS=q_regs), 4, 1) for q_regs in (False, True))
 # vLLM's prefill: 16-key pages, positions from the sequence lengths
 cfg = A.TUNING["prefill"]
 gluon_paged = compile_sm90(A._prefill_ws_kernel, lambda n: ws_desc(16) if n.endswith("_all") else "i32"
@@ -468,7 +468,7 @@ dq = compile_sm90(A._bwd_dq_kernel, lambda n: f"tensordesc<bf16[{cfg['BLOCK_KV']
                   cfg["num_warps"], cfg["num_stages"])
 dq_gluon, dq_gluon_q_regs = (compile_sm90(A._bwd_dq_ws_kernel, lambda n: "i32" if n in WS_INTS else bwd_types(n),
                                           dict(GROUP=4, D=128, BLOCK_KV=cfg["BLOCK_KV"], STAGES=cfg["GLUON_STAGES"],
-                                               Q_REGS=q_regs), 4, 1) for q_regs in (cfg["GLUON_Q_REGS"], True))
+                                               Q_REGS=q_regs), 4, 1) for q_regs in (False, True))
 cfg = A.TUNING["decode"]
 # (grids of splits only, of walks only (" in registers"; " deep": on the walk's ring) and of both)
 kinds = {"": (False, True), " in registers": (True, False), " mixed": (True, True)}
@@ -500,6 +500,8 @@ def test_decode_and_prefill_multiply_with_wgmma():
     kernel spills, and the swapped ones fit the programs an SM that their grids count on."""
     from sm90 import probe
 
+    from lockstep.kernels._triton import attention as A
+
     (prefill, linear, gluon, gluon_q_regs, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, dq_gluon_q_regs,
      decode) = probe(_MMA_PROBE)
     assert {version for version, _ in prefill["mma"]} == {"3"}, f"expected wgmma (MMA v3) only, got {prefill['mma']}"
@@ -510,8 +512,10 @@ def test_decode_and_prefill_multiply_with_wgmma():
     # with q in registers (GLUON_Q_REGS: the q.k wgmmas' A operand) the same instructions; the 32 more
     # registers a thread spill 24 bytes, outside the block loop (probed: ptxas, cuobjdump)
     assert gluon_q_regs["mma"] == prefill["mma"] and gluon_q_regs["spill_bytes"] <= 32, gluon_q_regs
-    # ... also over vLLM's paged cache (16-key pages: four boxes a block; positions from the lengths)
-    assert gluon_paged["mma"] == prefill["mma"] and gluon_paged["spill_bytes"] == 0, gluon_paged
+    # ... also over vLLM's paged cache (16-key pages: four boxes a block; positions from the lengths), as
+    # the table runs it (q in registers: the same spill)
+    assert gluon_paged["mma"] == prefill["mma"], gluon_paged
+    assert gluon_paged["spill_bytes"] <= (32 if A.TUNING["prefill"]["GLUON_Q_REGS"] else 0), gluon_paged
     # dK/dV's Gluon form runs the tl kernel's instructions on 64 of its keys a consumer
     # (its consumers hold two [64, D] fp32 accumulators and a tile's products: 76 bytes spilled since a
     # tile's lse and delta are loaded ahead, 152 before; probed)
@@ -531,8 +535,6 @@ def test_decode_and_prefill_multiply_with_wgmma():
         assert decode[name]["mma"] == prefill["mma"], f"prefill MMAs {prefill['mma']} != decode ({name}) {decode[name]['mma']}"
     # the programs an SM that the decode grid and the walk's ring rule count on are what fits, in
     # shared memory and in registers
-    from lockstep.kernels._triton import attention as A
-
     cfg, per_block = A.TUNING["decode"], 227 * 1024
     for name, per_sm in (("swapped", "PROGRAMS_PER_SM"), ("swapped in registers", "PROGRAMS_PER_SM"),
                          ("swapped in registers deep", "WALK_PER_SM"), ("swapped mixed", "PROGRAMS_PER_SM"),
@@ -590,8 +592,9 @@ def test_probe_prefill_ablations_leave_out_their_work():
     assert whole["ptx"]["mul.f32"] - no_rescale["ptx"]["mul.f32"] >= 2 * 64, (whole, no_rescale)  # (a block's 64 + 8)
     assert no_rescale["ptx"]["wgmma.mma_async"] == wgmmas and no_rescale["mma"] == whole["mma"]
     assert no_rescale["ptx"]["ex2"] < whole["ptx"]["ex2"]
-    # none spills: a variant's time is its work's, not a spill's
-    assert all(not v["spill_bytes"] for v in (whole, no_softmax, no_row_sums, no_rescale))
+    # no variant spills more than the whole (the table's q in registers: 16-24 bytes outside the block
+    # loop): a variant's time is its work's, not a spill's
+    assert all(v["spill_bytes"] <= whole["spill_bytes"] <= 32 for v in (no_softmax, no_row_sums, no_rescale))
 
 
 def test_custom_ops(triton_backend):

@@ -190,51 +190,6 @@ def test_row_block_size_changes_no_bit(monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_tail_parts_cover_the_last_tile_with_fewer_products(monkeypatch):
-    """TAIL_SPLIT's dots: powers of two of at least 16 columns covering the part-full last tile, only
-    where they make fewer products than a whole tile (Qwen3: 2,374 % 128 = 70 -> 64 + 16)."""
-    triton_logp = _triton_logp_module()
-    monkeypatch.setattr(triton_logp, "TAIL_SPLIT", True)
-    parts = {w: triton_logp.tail_parts(w, 128) for w in (2374, 198, 168, 212, 141, 64, 100, 128, 256)}
-    assert parts == {2374: (64, 16), 198: (64, 16), 168: (32, 16), 212: (64, 32), 141: (16, 0), 64: (64, 0),
-                     100: (0, 0), 128: (0, 0), 256: (0, 0)}
-    assert triton_logp.tail_parts(2374, 32) == (16, 0)  # fp32's 32-column tiles
-    monkeypatch.setattr(triton_logp, "TAIL_SPLIT", False)
-    assert triton_logp.tail_parts(2374, 128) == (0, 0)
-
-
-@pytest.mark.parametrize("dtype,width", [(torch.bfloat16, 70), (torch.bfloat16, 198), (torch.bfloat16, 168),
-                                         (torch.bfloat16, 212), (torch.bfloat16, 141), (torch.float32, 70)])
-def test_tail_split_changes_no_bit(dtype, width, monkeypatch):
-    """TAIL_SPLIT gives the chunk states of whole last tiles, bit for bit: chunks of no whole tile
-    (70 columns) and of one plus a tail, each tail shape of tail_parts (64 + 16, 32 + 16, 64 + 32, 16
-    alone), a short last chunk (whole tiles: its tail differs), a shard's vocab_start, padded
-    columns, a bias, per-row temperatures, entropy, targets in and out of the shard. The values are
-    multiples of 1/8 whose sums are exact in fp32, so the interpreter's dots sum them to the same
-    bits in any order (with random values numpy's 16- and 32-wide products differ from the 128-wide
-    ones' in the last bit: its summation order follows the shape): what this checks is which columns
-    the narrower dots multiply and where the tile puts them (the GPU test of the Gluon forward checks
-    the wgmma's sums)."""
-    triton_logp = _triton_logp_module()
-    g = torch.Generator().manual_seed(width)
-    t, h, v = 5, 128, 3 * width + 25
-    hidden = torch.randint(-2, 3, (t, h), generator=g).to(dtype)
-    weight = (torch.randint(-1, 2, (v, h), generator=g) / 8).to(dtype)
-    targets = torch.randint(width - 20, width + v + 20, (t,), generator=g)
-    kw = dict(vocab_start=width, width=width, real_vocab_size=width + v - 10,
-              bias=(torch.randint(-4, 5, (v,), generator=g) / 8).to(dtype),
-              temperature=torch.rand(t, generator=g) + 0.5, with_entropy=True)
-    block_v = triton_logp.TILE_CONFIGS[dtype].block_v
-    monkeypatch.setattr(triton_logp, "TAIL_SPLIT", True)
-    assert triton_logp.tail_parts(width, block_v) != (0, 0)
-    split = triton_logp.chunk_states(hidden, weight, targets, **kw)
-    monkeypatch.setattr(triton_logp, "TAIL_SPLIT", False)
-    whole = triton_logp.chunk_states(hidden, weight, targets, **kw)
-    assert torch.isfinite(whole.s).all() and (whole.s > 0).all()
-    for a, b in zip(split, whole):
-        assert torch.equal(a, b), (a, b)
-
-
 def test_row_blocks_are_the_largest_that_fill_the_waves(monkeypatch):
     """On 132 SMs with Qwen3's 64 vocab chunks: T=256 takes 128-row blocks (128 programs, one wave
     97% full; with 64-row blocks the forward took 3.7x the bare GEMM there, timed eagerly), T=128
@@ -565,20 +520,15 @@ def test_gpu_gradients_vs_fp32_qwen3():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tail_split", [False, True])
-def test_gpu_warp_specialized_forward_gives_the_tl_kernels_bits(tail_split, monkeypatch):
+def test_gpu_warp_specialized_forward_gives_the_tl_kernels_bits(monkeypatch):
     """The Gluon forward (WS_FORWARD) and the tl kernel give the same chunk states, bit for bit:
     row-block tails (T = 300), chunks ending inside a tile, a K tail (H = 1,000), a TP shard's
     vocab_start with padded columns past the real vocab, targets in and out of the shard, a bias,
     temperatures and entropy; and on Qwen3's head at T = 256 and 4,096. Each case is checked to
-    take the Gluon route, so the comparison cannot be the tl kernel against itself. tail_split: the
-    tl kernel multiplies each chunk's part-full last tile as narrower wgmmas (TAIL_SPLIT: 16 columns
-    for the 141-column chunks, 64 + 16 for Qwen3's 2,374), the Gluon kernel as whole tiles."""
+    take the Gluon route, so the comparison cannot be the tl kernel against itself."""
     triton_logp = _triton_logp_module()
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised forward is Hopper's (wgmma)")
-    monkeypatch.setattr(triton_logp, "TAIL_SPLIT", tail_split)
-    assert (triton_logp.tail_parts(logp_module.chunk_width(QWEN3_V), 128) == (64, 16)) == tail_split
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = []
     for t, h, v, start, real, bias, temp, ent in [(300, 1000, 9000, 9000, 17000, True, 0.7, True),
@@ -670,16 +620,9 @@ cfg = L.TILE_CONFIGS[__import__("torch").bfloat16]
 out = {}
 for mode, load in {"multiply": False, "load_z": True}.items():
     ce = dict(HAS_BIAS=False, HAS_TEMP=True, WITH_ENTROPY=False, UPCAST=False, BLOCK_T=128, BLOCK_V=cfg.block_v,
-              BLOCK_K=cfg.block_k, LOG2_V=cfg.block_v.bit_length() - 1, GROUP_T=L.GROUP_T, LOAD_Z=load,
-              wa_desc=None, wb_desc=None, TAIL_COLS=0)
+              BLOCK_K=cfg.block_k, LOG2_V=cfg.block_v.bit_length() - 1, GROUP_T=L.GROUP_T, LOAD_Z=load)
     out[mode] = compile_sm90(L._chunk_states_kernel, lambda n: descs.get(n, "i32"), ce, L.BLOCK_T_WARPS[128],
                              cfg.num_stages)
-# TAIL_SPLIT's last tile of Qwen3's chunks (64 + 16 columns), with every option
-tail_descs = dict(descs, wa_desc="tensordesc<bf16[64, 64]>", wb_desc="tensordesc<bf16[16, 64]>")
-ce = dict(HAS_BIAS=True, HAS_TEMP=True, WITH_ENTROPY=True, UPCAST=False, BLOCK_T=128, BLOCK_V=cfg.block_v,
-          BLOCK_K=cfg.block_k, LOG2_V=cfg.block_v.bit_length() - 1, GROUP_T=L.GROUP_T, LOAD_Z=False, TAIL_COLS=70)
-out["tail"] = compile_sm90(L._chunk_states_kernel, lambda n: tail_descs.get(n, "i32"), ce, L.BLOCK_T_WARPS[128],
-                           cfg.num_stages)
 ce = dict(UPCAST=False, BLOCK_T=128, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_T=L.GROUP_T)
 out["store_z"] = compile_sm90(L._head_logits_kernel, lambda n: descs.get(n, "i32"), ce, L.BLOCK_T_WARPS[128],
                               cfg.num_stages)
@@ -715,8 +658,8 @@ print(json.dumps(out))
 
 def test_chunk_state_kernel_variants_compile_for_sm90():
     """Compiled for sm_90 (bf16, 128-row blocks, the table's stages): the multiplying chunk-state
-    kernel (also with TAIL_SPLIT's narrower last tile) and the logit-storing kernel run wgmma
-    without spills; every tl kernel, the backward's included, fits its shared memory; the variant that folds stored logits keeps them
+    kernel and the logit-storing kernel run wgmma without spills; every tl kernel, the backward's
+    included, fits its shared memory; the variant that folds stored logits keeps them
     in the accumulator's layout (a blocked tile spilled 19 KB and took minutes to compile)."""
     from sm90 import probe
 
@@ -727,10 +670,7 @@ def test_chunk_state_kernel_variants_compile_for_sm90():
     # the table's stages fit a Hopper SM's 227 KiB of shared memory in every kernel (a launch past
     # it fails with "out of resources"), WS_STAGES in the Gluon forward's
     assert all(r[k]["shared_bytes"] <= 227 * 1024 for k in ("multiply", "load_z", "store_z", "dlogits", "ws_False",
-                                                            "ws_True", "tail")), r
-    # TAIL_SPLIT's last tile: wgmma at 64 and 16 columns beside the loop's 128, without a spill
-    assert r["tail"]["mma"] == [["3", "[16, 128, 16]"], ["3", "[16, 16, 16]"], ["3", "[16, 64, 16]"]], r
-    assert r["tail"]["spill_bytes"] == 0, r
+                                                            "ws_True")), r
     # the Gluon forward: wgmma's m64n128 steps (tl.dot's at 128-row blocks), warp-specialised; no
     # spill without the options (bias, temperature, entropy), a little with all of them
     for on in (False, True):

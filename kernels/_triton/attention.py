@@ -83,16 +83,20 @@ KV_CHUNK = 256
 # per-element sums then do not depend on the tile's row count. On sm_90 a tile of >= 64 rows runs
 # wgmma (m64nNk16) and a 16-row tile runs mma.sync, a different instruction: hence decode rows are
 # padded to 64, not to the tl.dot minimum of 16 (tests/test_attention.py compiles both kernels for
-# sm_90 and compares their MMA shapes). Backward tiles set the order of the gradient sums, which is
+# sm_90 and compares their MMA shapes). (On an H200 mma.sync's sums equal wgmma's: probe_limits.py
+# mma and sweep_attention.py's MIN_ROWS=16 candidates, the twenty-ninth session; those were slower.) Backward tiles set the order of the gradient sums, which is
 # fixed for a given table. Register counts below: ptxas for sm_90a, bf16, head_dim 128, group 4.
 TUNING = {
     # forward over sequences with more than one query: FA2-style 128-row tiles; K/V loaded one block
     # ahead into registers (PREFETCH; 255 registers, 8 B spilled): 1.16x the pipeliner's 3 stages on a
     # 4k prompt (H200, benchmarks/sweep_attention.py, RESULTS.md)
     # GLUON (16-bit, Hopper): _prefill_ws_kernel as for "prefill_linear" below, each 64-key block as
-    # TMA boxes of one page (four at vLLM's 16-key pages), a ring of GLUON_STAGES blocks
-    "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True, GLUON=True, GLUON_STAGES=3,
-                    GLUON_Q_REGS=False),
+    # TMA boxes of one page (four at vLLM's 16-key pages), a ring of GLUON_STAGES blocks. With q in
+    # registers (GLUON_Q_REGS, below) at 4 stages: 404 us on a 4k prompt against the former table's
+    # 433 (3 stages, q in shared memory; 1.071x; 3 stages with q in registers 411 us), bits equal
+    # (the twenty-ninth session, H200, CUDA graphs)
+    "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True, GLUON=True, GLUON_STAGES=4,
+                    GLUON_Q_REGS=True),
     # the same over a linear K/V (training's packed or padded one): TMA (on GPUs that have it) brings
     # every block but a tile's last through a descriptor, pipelined by Triton over num_stages (242
     # registers, no spill). sweep_attention.py, H200, 4 x 4,096 packed tokens, two calls: 2.09-2.18 ms
@@ -115,10 +119,15 @@ TUNING = {
     # for 32 cycles of the SM's bf16 wgmma rate, what 128 B a cycle of shared memory delivers in that
     # time; a block of both consumers reads and writes ~132 KB (q.k, P@V's V, the ones, TMA's copies)
     # against ~1,090 cycles of wgmma, ~100 KB with q in registers. ptxas (sm_90a): RS wgmmas, 16-24
-    # bytes spilled, all outside the block loop. Not measured yet (the twenty-seventh session had no
-    # GPU): sweep_attention.py --entries prefill,prefill_linear --only GLUON_Q_REGS=True
+    # bytes spilled, all outside the block loop. Measured (the twenty-ninth session, H200, CUDA
+    # graphs, bits equal): training's forward on 4 x 4,096 packed tokens 1,367 us against 1,393 with q
+    # in shared memory at 4 stages (1.019x; 3 stages 1,411), the paged prefill above 1.071x.
+    # benchmarks/probe_prefill.py (the same session, q in shared memory): without its softmax the
+    # forward takes 0.85x the time, without the rescale 0.93x, the row-sum dots 0.96x, the chunk
+    # merges 0.96x, and with none of them ("MMAs only") 0.73x: 538 TFLOP/s against the whole's 395
+    # and torch's fastest SDPA forward's 533
     "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True,
-                           GLUON_STAGES=4, GLUON_Q_REGS=False),
+                           GLUON_STAGES=4, GLUON_Q_REGS=True),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
     # group's query heads; the last of them to finish merges the chunk states, or with P = 1 the one
     # program merges in registers. SWAP: the dots run with their operands swapped, the heads as the
@@ -189,11 +198,12 @@ TUNING = {
     # GLUON_Q_REGS: each consumer holds its q and dO rows in registers (64 a thread; ptxas: no spill), the A
     # operands of its q.k and dO.v wgmmas, which then read only K and V from shared memory: by the
     # model above, ~128 KB a block of both consumers (with TMA's copies) instead of ~192 KB, against
-    # ~1,540 cycles of wgmma. Not measured yet (no GPU in the twenty-seventh session):
-    # sweep_attention.py --entries bwd_dq --only GLUON_Q_REGS=True (the backward's candidates are
-    # checked to a tolerance there; the GPU tests check these bits against the tl kernel's)
+    # ~1,540 cycles of wgmma. Measured (the twenty-ninth session, H200, CUDA graphs): the whole
+    # backward on 4 x 4,096 packed tokens 3,619 us against 3,670 (1.014x; 3 stages 3,652), gradients
+    # within the sweep's tolerance and deterministic; the GPU tests check its bits against the tl
+    # kernel's
     "bwd_dq": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=4, num_stages=4, TMA=True, GLUON=True, GLUON_STAGES=4,
-                   GLUON_Q_REGS=False),
+                   GLUON_Q_REGS=True),
     # rows per program of the backward's delta (row sums of out * grad): a streaming read
     "bwd_delta": dict(BLOCK_R=32, num_warps=4),
 }

@@ -3,9 +3,8 @@
 Forward: one program per (row block, vocab chunk), launched as a 1-D grid in grouped order. A
 program walks its chunk in BLOCK_V-column tiles in increasing column order; a tile's logits are one
 fp32 accumulator built by a BLOCK_K loop over H in increasing k (operands through TMA), and the
-tile is folded at once into each row's running (max, sum exp, sum exp*z) (TAIL_SPLIT: a chunk's
-part-full last tile multiplied as narrower dots, folded as the whole tile). The [T, V] logits
-never exist: memory beyond the inputs is the [T, n_chunks] states.
+tile is folded at once into each row's running (max, sum exp, sum exp*z). The [T, V] logits never
+exist: memory beyond the inputs is the [T, n_chunks] states.
 
 Batch invariance (bitwise, per row), by construction:
 - a logit is the same sum whatever tile or batch holds it: tl.dot reduces every output element
@@ -109,18 +108,6 @@ WS_STAGES = 4  # 4 x 48 KiB of rows and two weight tiles
 # ... and only where its persistent programs get at least this many (row block, chunk) items each:
 # T = 256 (128 items, one a program) ran 1.165x / 1.174x against the tl kernel's 1.122x / 1.129x.
 WS_MIN_ITEMS_PER_PROGRAM = 2
-# TAIL_SPLIT (the tl forward): a chunk's part-full last tile (Qwen3's 151,936 columns make chunks
-# of 2,374 = 18 x 128 + 70) multiplied as narrower dots, _tail_tile (tail_parts: 64 + 16 columns
-# for 70), in a K loop of its own after the whole tiles', instead of a whole BLOCK_V-column tile
-# most of whose products the fold masks. The same values and fold (the Gluon forward still
-# multiplies whole tiles: the same bits). A model, not a measurement: 48 of a chunk's 19 x 128
-# columns of products fewer (2.0%), less the second loop's pipeline start and the tile's assembly
-# (~1.5-3 k of a program's ~0.78 M cycles at T = 256). There the forward's 128 programs and the
-# bare GEMM both run at the H200's power limit (benchmarks/RESULTS.md, twenty-second session), so
-# products not made should be time saved. ptxas (sm_90a, every option): 245 registers, no spill,
-# the shared memory of the loop's 6 stages. Not measured yet (the twenty-eighth session had no
-# GPU): benchmarks/sweep_logp.py, candidate 3 ("tl kernel, tail split").
-TAIL_SPLIT = False
 # The backward holds the dlogits of one slice of whole chunks: at most BACKWARD_SLICE_CHUNKS chunks
 # (a quarter of the vocab: ~2 bytes per logit against the naive path's ~18, at any T) and at most
 # BACKWARD_SLICE_BYTES (but at least one chunk). Fewer, larger slices mean fewer passes over the
@@ -160,16 +147,6 @@ def _program_tile(n_row_blocks, n_col_tiles, GROUP_T: tl.constexpr):
 
 
 @triton.jit
-def _dot_step(h, w_desc, col0, k0, acc, UPCAST: tl.constexpr):
-    """acc + h @ weight[col0:+rows of w_desc's box, k0:+BLOCK_K]^T: one K step of a tile's logits."""
-    w = w_desc.load([col0, k0]).T
-    if UPCAST:  # see _launch_args: the interpreter cannot dot bf16; the products are exact in fp32
-        h, w = h.to(tl.float32), w.to(tl.float32)
-    # ieee: fp32 operands get exact fp32 FMAs instead of TF32; no effect on 16-bit operands
-    return tl.dot(h, w, acc, input_precision="ieee")
-
-
-@triton.jit
 def _dot_tile(h_desc, w_desc, row0, col0, H, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
               BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     """hidden[row0:+BLOCK_T] @ weight[col0:+BLOCK_V]^T in fp32, one BLOCK_K step at a time in
@@ -177,50 +154,13 @@ def _dot_tile(h_desc, w_desc, row0, col0, H, BLOCK_T: tl.constexpr, BLOCK_V: tl.
     the end and the K tail load as TMA zero-fill, which adds exact zeros."""
     acc = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        acc = _dot_step(h_desc.load([row0, k0]), w_desc, col0, k0, acc, UPCAST)
+        h = h_desc.load([row0, k0])
+        w = w_desc.load([col0, k0]).T
+        if UPCAST:  # see _launch_args: the interpreter cannot dot bf16; the products are exact in fp32
+            h, w = h.to(tl.float32), w.to(tl.float32)
+        # ieee: fp32 operands get exact fp32 FMAs instead of TF32; no effect on 16-bit operands
+        acc = tl.dot(h, w, acc, input_precision="ieee")
     return acc
-
-
-@triton.jit
-def _cat(a, b):
-    """[a, b] along the columns of two [R, C] tiles (the inverse of _halves)."""
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [a.shape[0], 2 * a.shape[1]])
-
-
-@triton.jit
-def _widened(x, WIDTH: tl.constexpr):
-    """x [R, C] followed by zero columns up to WIDTH (C and WIDTH powers of two, WIDTH <= 8 C)."""
-    if x.shape[1] < WIDTH:
-        x = _cat(x, tl.zeros_like(x))
-    if x.shape[1] < WIDTH:
-        x = _cat(x, tl.zeros_like(x))
-    if x.shape[1] < WIDTH:
-        x = _cat(x, tl.zeros_like(x))
-    return x
-
-
-@triton.jit
-def _tail_tile(h_desc, wa_desc, wb_desc, row0, col0, H, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
-               BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    """_dot_tile of a chunk's last, part-full tile (TAIL_SPLIT) from narrower dots: columns col0 ..
-    + A through wa_desc's [A, BLOCK_K] boxes and the B after them through wb_desc's (None: no B
-    part), in one K loop, then zero products up to BLOCK_V columns (past the chunk's end, which the
-    fold masks). A logit is the same sum in a narrower dot, so the tile's values are _dot_tile's."""
-    A: tl.constexpr = wa_desc.block_shape[0]
-    acc_a = tl.zeros([BLOCK_T, A], dtype=tl.float32)
-    if wb_desc is None:
-        for k0 in range(0, H, BLOCK_K):
-            acc_a = _dot_step(h_desc.load([row0, k0]), wa_desc, col0, k0, acc_a, UPCAST)
-        z = acc_a
-    else:
-        B: tl.constexpr = wb_desc.block_shape[0]
-        acc_b = tl.zeros([BLOCK_T, B], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            h = h_desc.load([row0, k0])
-            acc_a = _dot_step(h, wa_desc, col0, k0, acc_a, UPCAST)
-            acc_b = _dot_step(h, wb_desc, col0 + A, k0, acc_b, UPCAST)
-        z = _cat(acc_a, _widened(acc_b, A))
-    return _widened(z, BLOCK_V)
 
 
 @triton.jit
@@ -351,10 +291,9 @@ def _chunk_states_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr,
                          HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
                          UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
                          BLOCK_K: tl.constexpr, LOG2_V: tl.constexpr, GROUP_T: tl.constexpr,
-                         LOAD_Z: tl.constexpr, wa_desc=None, wb_desc=None, TAIL_COLS: tl.constexpr = 0):
+                         LOAD_Z: tl.constexpr):
     """One program per (row block, vocab chunk): the chunk's tiles in increasing column order.
-    LOAD_Z: fold the products _head_logits_kernel wrote instead of multiplying again. TAIL_COLS
-    (TAIL_SPLIT): a chunk whose last tile holds this many columns multiplies it as _tail_tile."""
+    LOAD_Z: fold the products _head_logits_kernel wrote instead of multiplying again."""
     row_block, chunk = _program_tile(tl.cdiv(T, BLOCK_T), n_chunks, GROUP_T)
     rows, row_ok, inv_temp, target = _row_inputs(temp_ptr, tgt_ptr, row_block, T, vocab_start, HAS_TEMP, BLOCK_T)
     lo = chunk * width
@@ -363,24 +302,13 @@ def _chunk_states_kernel(h_desc, w_desc, b_ptr, temp_ptr, tgt_ptr, m_ptr, s_ptr,
     s = tl.zeros([BLOCK_T], tl.float32)
     w = tl.zeros([BLOCK_T], tl.float32)
     tz = tl.zeros([BLOCK_T], tl.float32)
-    end = hi  # the tiles the loop below multiplies whole
-    if TAIL_COLS:
-        if (hi - lo) % BLOCK_V == TAIL_COLS:
-            end = hi - TAIL_COLS
     # Tiles merge in increasing column order: the order is part of every row's numerics. (flatten:
     # one software-pipelined loop over (tile, k), so the next tile's loads fly while this one merges.)
-    for c0 in tl.range(lo, end, BLOCK_V, flatten=True):
+    for c0 in tl.range(lo, hi, BLOCK_V, flatten=True):
         z, cols, valid = _logits(h_desc, w_desc, b_ptr, z_ptr, stride_z, inv_temp, row_block * BLOCK_T, rows, row_ok,
                                  c0, hi, V_local, H, vocab_start, real_vocab_size, HAS_BIAS, HAS_TEMP, LOAD_Z,
                                  BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
         m, s, w, tz = _fold_tile(m, s, w, tz, z, cols, valid, target, WITH_ENTROPY, LOG2_V, _tree_sum)
-    if TAIL_COLS:
-        if end < hi:  # the last tile: the same values and fold, fewer products
-            z = _tail_tile(h_desc, wa_desc, wb_desc, row_block * BLOCK_T, end, H, BLOCK_T, BLOCK_V, BLOCK_K, UPCAST)
-            cols = end + tl.arange(0, BLOCK_V)
-            z, valid = _scaled_logits(z, cols, b_ptr, inv_temp, hi, V_local, vocab_start, real_vocab_size, HAS_BIAS,
-                                      HAS_TEMP)
-            m, s, w, tz = _fold_tile(m, s, w, tz, z, cols, valid, target, WITH_ENTROPY, LOG2_V, _tree_sum)
     _store_states(m_ptr, s_ptr, ent_ptr, tz_ptr, m, s, w, tz, rows, row_ok, target, chunk, n_chunks, lo, hi, V_local,
                   WITH_ENTROPY)
 
@@ -717,28 +645,6 @@ def _launch_args(hidden, weight, targets, bias, temperature, *, width, vocab_sta
                 GROUP_T=GROUP_T, num_stages=cfg.num_stages)
 
 
-def tail_parts(width: int, block_v: int) -> tuple[int, int]:
-    """(A, B): the column widths of _tail_tile's two dots for a chunk of `width` columns (B 0: one
-    dot), each a power of two of at least 16 (tl.dot's least N); (0, 0) where TAIL_SPLIT is off,
-    the chunk ends on a tile's end, or the dots would make as many products as a whole tile."""
-    cols = -(-(width % block_v) // 16) * 16
-    if not TAIL_SPLIT or cols == 0:
-        return 0, 0
-    a = 1 << (cols.bit_length() - 1)
-    b = 0 if cols == a else max(16, 1 << (cols - a - 1).bit_length())
-    return (a, b) if a + b < block_v else (0, 0)
-
-
-def _tail_args(weight: torch.Tensor, args: dict) -> dict:
-    """_chunk_states_kernel's TAIL_SPLIT arguments: wa_desc, wb_desc and TAIL_COLS (none: off)."""
-    a, b = tail_parts(args["width"], args["BLOCK_V"])
-    if not a:
-        return {}
-    return dict(wa_desc=TensorDescriptor.from_tensor(weight, [a, args["BLOCK_K"]]),
-                wb_desc=TensorDescriptor.from_tensor(weight, [b, args["BLOCK_K"]]) if b else None,
-                TAIL_COLS=args["width"] % args["BLOCK_V"])
-
-
 def _block_t(n_rows: int, n_col_tiles: int, device: torch.device) -> int:
     """The largest row block whose programs fill at least MIN_WAVE_FILL of their waves, else the
     smallest (speed only: no row's numerics depend on it). T=256 on a 64-chunk vocab: 128 programs
@@ -776,9 +682,7 @@ def _forward(hidden, weight, targets, bias, temperature, vocab_start, width, rea
             _launch_ws(_tma_rows(hidden), _tma_rows(weight), args, n, **outputs)
         else:
             z = logits.contiguous() if logits is not None else target_z
-            weight = _tma_rows(weight)
-            tail = _tail_args(weight, args) if logits is None else {}
-            _launch(_chunk_states_kernel, _tma_rows(hidden), weight, args, n, **outputs, **tail, z_ptr=z,
+            _launch(_chunk_states_kernel, _tma_rows(hidden), _tma_rows(weight), args, n, **outputs, z_ptr=z,
                     stride_z=z.stride(0), LOAD_Z=logits is not None)
     return m, s, w, target_z
 
