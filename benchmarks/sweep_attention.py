@@ -144,6 +144,11 @@ def _training_case(tokens: int = 4 * 4096, seq: int = 4096):
             lambda: torch.ops.lockstep.varlen_attention_backward(grad, q, k, v, cu, out, lse, scale, seq))
 
 
+def timer(fn) -> float:
+    """Microseconds a call of fn, as bench_attention's tables time them (CUDA-graph replay)."""
+    return graph_ms_per_call(fn) * 1e3
+
+
 def _close(got, want) -> bool:
     """Gradients from another summation order: within bf16 rounding of the table's (relative to
     each tensor's largest entry), and deterministic."""
@@ -154,7 +159,6 @@ def sweep(entry: str, name: str, fn) -> None:
     """Every candidate of TUNING[entry] on fn; forward entries must give the table's bits, backward
     ones gradients close to the table's (and the same bits twice)."""
     backward = entry.startswith("bwd")
-    timer = lambda f: graph_ms_per_call(f) * 1e3  # noqa: E731 - as bench_attention's tables time them
     default = dict(A.TUNING[entry])
     want = fn()
     base = timer(fn)
@@ -207,7 +211,6 @@ def parse_contract(text: str) -> dict:
 
 def contracts(entry: str, name: str, fn, alternatives: list[dict]) -> None:
     """TUNING[entry]'s current table on fn under each alternative contract against the current one."""
-    timer = lambda f: graph_ms_per_call(f) * 1e3  # noqa: E731 - as sweep() times
     base = timer(fn)
     current = {k: getattr(A, k) for k in CONTRACT_KEYS}
     print(f"CONTRACT {entry} {name} {current}: {base:.1f} us", flush=True)

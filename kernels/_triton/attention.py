@@ -84,8 +84,9 @@ KV_CHUNK = 256
 # wgmma (m64nNk16) and a 16-row tile runs mma.sync, a different instruction: hence decode rows are
 # padded to 64, not to the tl.dot minimum of 16 (tests/test_attention.py compiles both kernels for
 # sm_90 and compares their MMA shapes). (On an H200 mma.sync's sums equal wgmma's: probe_limits.py
-# mma and sweep_attention.py's MIN_ROWS=16 candidates, the twenty-ninth session; those were slower.) Backward tiles set the order of the gradient sums, which is
-# fixed for a given table. Register counts below: ptxas for sm_90a, bf16, head_dim 128, group 4.
+# mma and sweep_attention.py's MIN_ROWS=16 candidates, the twenty-ninth session; those were slower.)
+# Backward tiles set the order of the gradient sums, which is fixed for a given table. Register
+# counts below: ptxas for sm_90a, bf16, head_dim 128, group 4.
 TUNING = {
     # forward over sequences with more than one query: FA2-style 128-row tiles; K/V loaded one block
     # ahead into registers (PREFETCH; 255 registers, 8 B spilled): 1.16x the pipeliner's 3 stages on a
