@@ -12,6 +12,9 @@
 #   site        only the install of .gpu-wheels/a (a fresh machine's first call, before vllm_a)
 #   tests       pytest -m gpu (kernels, attention, logp, CUDA-graph capture, TP emulation; $GPU_TESTS picks
 #               the files, $TESTS_TIMEOUT the limit, default 400 s)
+#   kernel_tests pytest -m gpu over the kernels' files alone (test_triton_kernels, test_triton_logp, test_attention;
+#               $GPU_TESTS picks others), $TESTS_WORKERS processes (default 4: compiling is most of their time),
+#               $TESTS_TIMEOUT s: they need only torch and triton, so the call may carry vLLM's first chunk instead
 #   vllm_tests  pytest -m gpu tests/test_vllm_gpu.py (vLLM + lockstep, bf16, CUDA graphs, bitwise)
 #   e2e         qwen3-1.7b-1gpu (megatron actor + native engine), strict and off
 #   e2e_vllm    qwen3-1.7b-1gpu rollout=vllm, $E2E_MODES (default strict,off; top_p 0.9, temperature 0.7,
@@ -99,6 +102,9 @@ for stage in "$@"; do
                && cp .gpu-vllm/install.sh /tmp/vc/ && (cd /tmp/vc && TARGET=/tmp/site bash install.sh) 2>&1 | tail -5 ;;
     tests)   need_site; timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/test_triton_kernels.py tests/test_triton_logp.py \
                tests/test_attention.py tests/test_tp_invariance.py} -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    kernel_tests) link_lockstep; timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -m gpu -n ${TESTS_WORKERS:-4} \
+               ${GPU_TESTS:-tests/test_triton_kernels.py tests/test_triton_logp.py tests/test_attention.py} -p no:cacheprovider \
+               2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     vllm_tests) need_site; timeout 400 python3 -m pytest -q -m gpu tests/test_vllm_gpu.py -p no:cacheprovider -x 2>&1 \
                | tee "$OUT/vllm_gpu_tests.log" | grep -v "Logging error\|I/O operation" | tail -30 ;;
     e2e)     need_site; rm -rf /tmp/e2e; timeout 500 python3 benchmarks/e2e_1gpu.py /tmp/e2e > "$OUT/e2e.log" 2>&1
