@@ -14,6 +14,7 @@ head shapes and sequences of 1-3k tokens.
 """
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -447,13 +448,14 @@ ws_desc = lambda box: f"tensordesc<bf16[{box}, 128],{gluon_layout([box, 128])!r}
 gluon, gluon_q_regs = (compile_sm90(A._prefill_ws_kernel, lambda n: "i32" if n in WS_INTS else types(n),
                                     dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK,
                                          k_all=None, v_all=None, STAGES=cfg["GLUON_STAGES"], FROM_LENS=False,
-                                         Q_REGS=q_regs), 4, 1) for q_regs in (False, True))
+                                         Q_REGS=q_regs, LATE_RESCALE=cfg["GLUON_LATE_RESCALE"]), 4, 1)
+                      for q_regs in (False, True))
 # vLLM's prefill: 16-key pages, positions from the sequence lengths
 cfg = A.TUNING["prefill"]
 gluon_paged = compile_sm90(A._prefill_ws_kernel, lambda n: ws_desc(16) if n.endswith("_all") else "i32"
                            if n in WS_INTS else types(n), dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK,
                            KV_CHUNK=A.KV_CHUNK, BOX=16, STAGES=cfg["GLUON_STAGES"], FROM_LENS=True,
-                           Q_REGS=cfg["GLUON_Q_REGS"]), 4, 1)
+                           Q_REGS=cfg["GLUON_Q_REGS"], LATE_RESCALE=cfg["GLUON_LATE_RESCALE"]), 4, 1)
 bwd_types = lambda n: "fp32" if n in ("qk_scale", "scale") else "*fp32" if n == "delta" else types(n)
 cfg = A.TUNING["bwd_dkdv"]
 dkdv = compile_sm90(A._bwd_dkdv_kernel, lambda n: "*i32" if n == "kv_count" else bwd_types(n),
@@ -552,7 +554,8 @@ def test_decode_and_prefill_multiply_with_wgmma():
     assert prefill["spill_bytes"] <= 128, prefill
 
 
-_ABLATION_PROBE = r"""
+# the Gluon forward over training's linear K/V as TUNING["prefill_linear"] runs it: ws(**constexprs) compiles it
+_WS_PROBE = r"""
 import json
 from sm90 import compile_sm90
 from lockstep.kernels._triton import attention as A
@@ -562,11 +565,14 @@ INTS = {"stride_table", "page_size", "stride_slot", "n_heads", "min_queries", "n
 POINTEE = {"lse": "fp32", "q_begin": "i32", "q_count": "i32", "q_pos": "i32", "page_table": "i32"}
 types = lambda n: "fp32" if n == "qk_scale" else "i32" if n in INTS else "*" + POINTEE.get(n, "bf16")
 cfg = A.TUNING["prefill_linear"]
-print(json.dumps({ablate: compile_sm90(A._prefill_ws_kernel, types, dict(
+ws = lambda count=(), keep_ptx=False, **constexprs: compile_sm90(A._prefill_ws_kernel, types, {**dict(
     GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK, k_all=None, v_all=None,
-    STAGES=cfg["GLUON_STAGES"], FROM_LENS=False, Q_REGS=cfg["GLUON_Q_REGS"], ABLATE=ablate), 4, 1,
-    count=("ex2", "max.f32", "mul.f32", "wgmma.mma_async", "wgmma.mma_async.sync.aligned.m64n16k16"))
-    for ablate in (0, 1, 2, 4)}))
+    STAGES=cfg["GLUON_STAGES"], FROM_LENS=False, Q_REGS=cfg["GLUON_Q_REGS"], LATE_RESCALE=cfg["GLUON_LATE_RESCALE"]),
+    **constexprs}, 4, 1, count=count, keep_ptx=keep_ptx)
+"""
+_ABLATION_PROBE = _WS_PROBE + r"""
+count = ("ex2", "max.f32", "mul.f32", "wgmma.mma_async", "wgmma.mma_async.sync.aligned.m64n16k16")
+print(json.dumps({ablate: ws(count, ABLATE=ablate) for ablate in (0, 1, 2, 4)}))
 """
 
 
@@ -596,6 +602,37 @@ def test_probe_prefill_ablations_leave_out_their_work():
     # loop): a variant's time is its work's, not a spill's
     assert all(v["spill_bytes"] <= whole["spill_bytes"] <= 32 for v in (no_softmax, no_row_sums, no_rescale))
 
+
+def _multiplies_before_k_wait(ptx: str) -> list[int]:
+    """For each block loop of a Gluon forward's PTX (an mbarrier wait followed by the three wgmma
+    chains of an iteration: q.k, the row sums and P@V), the fp32 multiplies between the loop's
+    label and that wait."""
+    lines, counts = ptx.splitlines(), []
+    for i, line in enumerate(lines):
+        if "mbarrier.try_wait" not in line:
+            continue
+        shapes, j = set(), i
+        while j < len(lines) and "wgmma.wait_group" not in lines[j]:
+            shapes.update(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", lines[j]))
+            j += 1
+        if len(shapes) == 3:
+            top = max(k for k in range(i) if lines[k].startswith("$L__BB"))
+            counts.append(sum("mul.f32" in x for x in lines[top:i]))
+    return counts
+
+
+def test_late_rescale_keeps_the_multiplies_after_the_k_wait():
+    """GLUON_LATE_RESCALE's premise, in the Gluon forward's sm_90a PTX: in the table's form one
+    consumer's block loop multiplies its chunk state by alpha (64 + 8 a thread) before it waits for
+    the block's K, ahead of that block's q.k wgmmas (LLVM hoists them; the control, which shows that
+    the check can fire); with the flag no block loop does. The multiplies are the same either way."""
+    from sm90 import probe
+
+    code = _WS_PROBE + "print(json.dumps([ws(keep_ptx=True, LATE_RESCALE=late)['ptx_text'] for late in (False, True)]))"
+    table, late = (_multiplies_before_k_wait(ptx) for ptx in probe(code))
+    assert len(table) == len(late) >= 2, (table, late)  # the two consumers' loops at least
+    assert max(table) >= 64, table
+    assert max(late) < 8, late
 
 def test_custom_ops(triton_backend):
     q, k, v, cu = _packed([19, 5], 4, 2, 16, device=TRITON_DEVICE)
@@ -684,14 +721,16 @@ def test_gpu_accuracy_and_deterministic_backward(gpu_triton):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q_regs", [False, True], ids=["q-shared", "q-registers"])
+@pytest.mark.parametrize("q_regs,late_rescale", [(False, False), (True, False), (True, True)],
+                         ids=["q-shared", "q-registers", "late-rescale"])
 @pytest.mark.parametrize("heads", [32, 16, 8, 64], ids=["group4", "group2", "group1", "group8"])
-def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monkeypatch, heads, q_regs):
+def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monkeypatch, heads, q_regs, late_rescale):
     """The Gluon kernels over a linear K/V (the forward, dK/dV and dQ: TUNING["prefill_linear"],
     ["bwd_dkdv"] and ["bwd_dq"] with GLUON) against the tl kernels, packed and padded, bf16, head_dim 128, 8 kv
     heads: the same outputs, lse and gradients, bit for bit, with tails of a block, a chunk and a
     tile, and a sequence shorter than one block. The forward's and dQ's consumers take q (and dQ's
-    dO) from shared memory or from registers (GLUON_Q_REGS)."""
+    dO) from shared memory or from registers (GLUON_Q_REGS); the forward's rescale where the
+    compiler puts it or after the q.k issue (GLUON_LATE_RESCALE)."""
     from lockstep.kernels._triton import attention as A
 
     lens = [3001, 1024, 1777, 77, 5]
@@ -708,7 +747,7 @@ def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monke
 
     def run(gluon):
         monkeypatch.setitem(A.TUNING, "prefill_linear", {**A.TUNING["prefill_linear"], "GLUON": gluon,
-                                                         "GLUON_Q_REGS": q_regs})
+                                                         "GLUON_Q_REGS": q_regs, "GLUON_LATE_RESCALE": late_rescale})
         monkeypatch.setitem(A.TUNING, "bwd_dkdv", {**A.TUNING["bwd_dkdv"], "GLUON": gluon})
         monkeypatch.setitem(A.TUNING, "bwd_dq", {**A.TUNING["bwd_dq"], "GLUON": gluon, "GLUON_Q_REGS": q_regs})
         out, lse = torch.ops.lockstep.varlen_attention(q, k, v, cu, 0.088)
@@ -724,20 +763,23 @@ def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size,vllm_layout,q_regs", [(16, True, False), (16, True, True), (16, False, False),
-                                                          (32, True, False), (64, True, True), (128, False, False),
-                                                          (48, True, False)])
+@pytest.mark.parametrize("page_size,vllm_layout,q_regs,late_rescale",
+                         [(16, True, False, False), (16, True, True, False), (16, True, True, True),
+                          (16, False, False, False), (32, True, False, False), (64, True, True, False),
+                          (128, False, False, True), (48, True, False, False)])
 def test_gpu_paged_prefill_takes_the_gluon_forward_with_the_training_bits(gpu_triton, monkeypatch, page_size,
-                                                                          vllm_layout, q_regs):
+                                                                          vllm_layout, q_regs, late_rescale):
     """vLLM's prefill (TUNING["prefill"]["GLUON"]): pages of 16 or 32 keys (boxes of a page), 64 or
     128 (a block's box in one page), vLLM's interleaved K/V or separate K and V caches, one prefill of
     every prompt and a schedule of chunked prefills beside decode steps (a cache of NaN where nothing
     was written): every token's output equals training's (the table's), bit for bit, with the
-    prefill's consumers taking q from shared memory or from registers (GLUON_Q_REGS). 48-key pages
+    prefill's consumers taking q from shared memory or from registers (GLUON_Q_REGS), the rescale
+    where the compiler puts it or after the q.k issue (GLUON_LATE_RESCALE). 48-key pages
     are not a divisor or multiple of the 64-key block: the tl kernel takes them (the same bits)."""
     from lockstep.kernels._triton import attention as A
 
-    monkeypatch.setitem(A.TUNING, "prefill", {**A.TUNING["prefill"], "GLUON_Q_REGS": q_regs})
+    monkeypatch.setitem(A.TUNING, "prefill", {**A.TUNING["prefill"], "GLUON_Q_REGS": q_regs,
+                                              "GLUON_LATE_RESCALE": late_rescale})
 
     calls = []
     real = A._prefill_ws

@@ -97,7 +97,7 @@ TUNING = {
     # 433 (3 stages, q in shared memory; 1.071x; 3 stages with q in registers 411 us), bits equal
     # (the twenty-ninth session, H200, CUDA graphs)
     "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True, GLUON=True, GLUON_STAGES=4,
-                    GLUON_Q_REGS=True),
+                    GLUON_Q_REGS=True, GLUON_LATE_RESCALE=False),
     # the same over a linear K/V (training's packed or padded one): TMA (on GPUs that have it) brings
     # every block but a tile's last through a descriptor, pipelined by Triton over num_stages (242
     # registers, no spill). sweep_attention.py, H200, 4 x 4,096 packed tokens, two calls: 2.09-2.18 ms
@@ -127,8 +127,16 @@ TUNING = {
     # forward takes 0.85x the time, without the rescale 0.93x, the row-sum dots 0.96x, the chunk
     # merges 0.96x, and with none of them ("MMAs only") 0.73x: 538 TFLOP/s against the whole's 395
     # and torch's fastest SDPA forward's 533
+    # GLUON_LATE_RESCALE (both entries; not measured yet): the chunk state's rescale by alpha (72
+    # multiplies a thread a block) is written between a block's q.k wgmmas and its P@V's, in their
+    # shadow, as FA3 places it; LLVM's NVPTX backend moves pure arithmetic freely, and in the
+    # consumer that runs as a worker partition it hoists the multiplies above the loop's barrier and
+    # K wait (sm_90a PTX, Triton 3.6), so that they delay that block's q.k. With the flag, alpha
+    # passes through an identity with side effects issued after the q.k wgmmas, which keeps them
+    # there in the PTX; ptxas then still issues about half of them before the first q.k wgmma.
+    # The same bits (the same multiplies); tests/test_attention.py checks the PTX's order
     "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True,
-                           GLUON_STAGES=4, GLUON_Q_REGS=True),
+                           GLUON_STAGES=4, GLUON_Q_REGS=True, GLUON_LATE_RESCALE=False),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
     # group's query heads; the last of them to finish merges the chunk states, or with P = 1 the one
     # program merges in registers. SWAP: the dots run with their operands swapped, the heads as the
@@ -795,6 +803,13 @@ def _wgmma_a(smem, ACC_L: gl.constexpr, REGS: gl.constexpr):
 
 
 @gluon.jit
+def _after_issue(x):
+    """x (fp32) through an identity with side effects: LLVM keeps it, and what uses it, after the
+    wgmmas issued before it (TUNING's GLUON_LATE_RESCALE)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _ws_softmax(s, blk, pos, m, qk_scale, n_full):
     """_block_softmax of block blk for a consumer's rows (positions pos). A block that every row
     sees whole (blk < n_full) skips the mask (its compares and selects): _scaled_softmax of the
@@ -845,9 +860,11 @@ def _ws_fold(p_l, p_o, ones_smem, v_smem, st, l_c, acc_c, alpha, L_L: gl.constex
 @gluon.jit
 def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq, row0,
                  kv_head, n_heads, qk_scale, last, GROUP: gl.constexpr, KV_CHUNK: gl.constexpr, STAGES: gl.constexpr,
-                 FROM_LENS: gl.constexpr, Q_REGS: gl.constexpr, ABLATE: gl.constexpr):
+                 FROM_LENS: gl.constexpr, Q_REGS: gl.constexpr, LATE_RESCALE: gl.constexpr,
+                 ABLATE: gl.constexpr):
     """Rows row0 .. row0 + 63 of the tile: every block folded into the chunk state, chunk states
-    merged into the running state at each chunk's last block (or the tile's last), as _row_state."""
+    merged into the running state at each chunk's last block (or the tile's last), as _row_state.
+    LATE_RESCALE: TUNING's GLUON_LATE_RESCALE."""
     ROWS: gl.constexpr = q_smem.shape[0]
     D: gl.constexpr = q_smem.shape[1]
     KV_BLOCK: gl.constexpr = k_smem.shape[1]
@@ -884,6 +901,8 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
         prev = (blk - 1) % STAGES
         mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
         s = warpgroup_mma(q_op, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+        if LATE_RESCALE:  # the rescale's multiplies in the q.k's shadow
+            alpha = _after_issue(alpha)
         l_c, acc_c = _ws_fold(p_l, p_o, ones_smem, v_smem, prev, l_c, acc_c, alpha, L_L, O_L, True, ABLATE)
         s = warpgroup_mma_wait(num_outstanding=FOLD_GROUPS, deps=(s, ))
         m_done = m_c  # block blk - 1's chunk max
@@ -917,15 +936,15 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
                        head_rows, head_cols, stride_slot, kv_width, n_heads, qk_scale, min_queries, n_seqs, k_all, v_all,
                        GROUP: gl.constexpr, D: gl.constexpr, KV_BLOCK: gl.constexpr, KV_CHUNK: gl.constexpr,
                        BOX: gl.constexpr, STAGES: gl.constexpr, FROM_LENS: gl.constexpr, Q_REGS: gl.constexpr,
-                       ABLATE: gl.constexpr = 0):
+                       LATE_RESCALE: gl.constexpr, ABLATE: gl.constexpr = 0):
     """_prefill_kernel, warp-specialised: a program per (128-row tile, kv head, sequence), ranked as
     _prefill_kernel's. K/V are read as a [rows, kv_width] matrix of row pitch stride_slot: the key
     in slot s of page p of kv head h is row p * page_rows + h * head_rows + s, at column h *
     head_cols; k_all, v_all: its host descriptors in BOX-key boxes for a paged K/V, None for a linear
     one (one page a sequence: the descriptors made here, ending at the tile's last key, serve every
     block, and the launch carries no host descriptor). Q_REGS: TUNING's GLUON_Q_REGS (each consumer's
-    q in registers, the A operand of its q.k wgmmas). ABLATE: 0, or work left out for a probe (above
-    _ablated_softmax)."""
+    q in registers, the A operand of its q.k wgmmas); LATE_RESCALE: its GLUON_LATE_RESCALE. ABLATE:
+    0, or work left out for a probe (above _ablated_softmax)."""
     rank, kv_head, seq = _ranked_program(gl.program_id(0), n_heads // GROUP, n_seqs)
     begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
     tile = gl.cdiv(n_queries * GROUP, _WS_TILE) - 1 - rank  # rank 0: the sequence's latest queries
@@ -964,10 +983,10 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
     gl.warp_specialize([
         (_ws_consumer, (q0_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
                         tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, FROM_LENS,
-                        Q_REGS, ABLATE)),
+                        Q_REGS, LATE_RESCALE, ABLATE)),
         (_ws_consumer, (q1_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
                         tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES,
-                        FROM_LENS, Q_REGS, ABLATE)),
+                        FROM_LENS, Q_REGS, LATE_RESCALE, ABLATE)),
         (_ws_producer, (k_src, v_src, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
                         head_row, kv_head * head_cols, hi, row_hi, last, STAGES)),
     ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
@@ -1642,8 +1661,8 @@ def _prefill_ws(queries: _Queries, keys: _Keys, view: _TmaView, out, lse, group:
         q, keys.k, keys.v, out, lse, *_query_args(queries), keys.table, keys.table.stride(0), keys.page_size,
         view.page_rows, view.head_rows, view.head_cols, keys.stride_slot, view.width, q.shape[1], qk_scale,
         min_queries, n_seqs, k_all, v_all, GROUP=group, D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, BOX=view.box,
-        STAGES=cfg["GLUON_STAGES"], FROM_LENS=queries.from_lens, Q_REGS=cfg["GLUON_Q_REGS"], ABLATE=ablate,
-        num_warps=4)
+        STAGES=cfg["GLUON_STAGES"], FROM_LENS=queries.from_lens, Q_REGS=cfg["GLUON_Q_REGS"],
+        LATE_RESCALE=cfg["GLUON_LATE_RESCALE"], ABLATE=ablate, num_warps=4)
 
 
 def _tma_capable(t: torch.Tensor) -> bool:
