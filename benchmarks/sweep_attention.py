@@ -51,8 +51,10 @@ CANDIDATES = {
     + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)]
     # GLUON_Q_REGS: the consumers' q in registers (the q.k wgmmas read only K from shared memory)
     + [dict(GLUON=True, GLUON_STAGES=s, GLUON_Q_REGS=True) for s in (3, 4)]
-    # GLUON_LATE_RESCALE: the chunk state's rescale kept after the q.k wgmmas' issue (attention.py's TUNING)
-    + [dict(GLUON=True, GLUON_STAGES=4, GLUON_Q_REGS=True, GLUON_LATE_RESCALE=True)],
+    # GLUON_LATE_RESCALE: the chunk state's rescale kept after the q.k wgmmas' issue; GLUON_TREE_MAX: the
+    # row max as a tree (attention.py's TUNING); each alone and both
+    + [dict(GLUON=True, GLUON_STAGES=4, GLUON_Q_REGS=True, GLUON_LATE_RESCALE=late, GLUON_TREE_MAX=tree)
+       for late, tree in ((True, False), (False, True), (True, True))],
     # (swapped tiles with num_stages=1 faulted on the H200, Triton 3.6: the launcher refuses them)
     # TMA: the blocks before a tile's last through descriptors, pipelined over num_stages
     # (GLUON=False: the tl kernel, whose schedules these are)
@@ -64,7 +66,8 @@ CANDIDATES = {
     # the warp-specialised Gluon kernel: a producer warp, two consumer warpgroups, a ring of GLUON_STAGES
     + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)]
     + [dict(GLUON=True, GLUON_STAGES=s, GLUON_Q_REGS=True) for s in (3, 4)]
-    + [dict(GLUON=True, GLUON_STAGES=4, GLUON_Q_REGS=True, GLUON_LATE_RESCALE=True)],
+    + [dict(GLUON=True, GLUON_STAGES=4, GLUON_Q_REGS=True, GLUON_LATE_RESCALE=late, GLUON_TREE_MAX=tree)
+       for late, tree in ((True, False), (False, True), (True, True))],
     # one program per BLOCK_KV keys looping over BLOCK_Q-row query tiles / one per BLOCK_Q rows over
     # BLOCK_KV-key blocks
     "bwd_dkdv": [dict(BLOCK_KV=kv, BLOCK_Q=bq, num_warps=w, num_stages=st, GLUON=False)

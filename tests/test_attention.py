@@ -448,14 +448,16 @@ ws_desc = lambda box: f"tensordesc<bf16[{box}, 128],{gluon_layout([box, 128])!r}
 gluon, gluon_q_regs = (compile_sm90(A._prefill_ws_kernel, lambda n: "i32" if n in WS_INTS else types(n),
                                     dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK,
                                          k_all=None, v_all=None, STAGES=cfg["GLUON_STAGES"], FROM_LENS=False,
-                                         Q_REGS=q_regs, LATE_RESCALE=cfg["GLUON_LATE_RESCALE"]), 4, 1)
+                                         Q_REGS=q_regs, LATE_RESCALE=cfg["GLUON_LATE_RESCALE"],
+                                         TREE_MAX=cfg["GLUON_TREE_MAX"]), 4, 1)
                       for q_regs in (False, True))
 # vLLM's prefill: 16-key pages, positions from the sequence lengths
 cfg = A.TUNING["prefill"]
 gluon_paged = compile_sm90(A._prefill_ws_kernel, lambda n: ws_desc(16) if n.endswith("_all") else "i32"
                            if n in WS_INTS else types(n), dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK,
                            KV_CHUNK=A.KV_CHUNK, BOX=16, STAGES=cfg["GLUON_STAGES"], FROM_LENS=True,
-                           Q_REGS=cfg["GLUON_Q_REGS"], LATE_RESCALE=cfg["GLUON_LATE_RESCALE"]), 4, 1)
+                           Q_REGS=cfg["GLUON_Q_REGS"], LATE_RESCALE=cfg["GLUON_LATE_RESCALE"],
+                           TREE_MAX=cfg["GLUON_TREE_MAX"]), 4, 1)
 bwd_types = lambda n: "fp32" if n in ("qk_scale", "scale") else "*fp32" if n == "delta" else types(n)
 cfg = A.TUNING["bwd_dkdv"]
 dkdv = compile_sm90(A._bwd_dkdv_kernel, lambda n: "*i32" if n == "kv_count" else bwd_types(n),
@@ -567,8 +569,8 @@ types = lambda n: "fp32" if n == "qk_scale" else "i32" if n in INTS else "*" + P
 cfg = A.TUNING["prefill_linear"]
 ws = lambda count=(), keep_ptx=False, **constexprs: compile_sm90(A._prefill_ws_kernel, types, {**dict(
     GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK, k_all=None, v_all=None,
-    STAGES=cfg["GLUON_STAGES"], FROM_LENS=False, Q_REGS=cfg["GLUON_Q_REGS"], LATE_RESCALE=cfg["GLUON_LATE_RESCALE"]),
-    **constexprs}, 4, 1, count=count, keep_ptx=keep_ptx)
+    STAGES=cfg["GLUON_STAGES"], FROM_LENS=False, Q_REGS=cfg["GLUON_Q_REGS"], LATE_RESCALE=cfg["GLUON_LATE_RESCALE"],
+    TREE_MAX=cfg["GLUON_TREE_MAX"]), **constexprs}, 4, 1, count=count, keep_ptx=keep_ptx)
 """
 _ABLATION_PROBE = _WS_PROBE + r"""
 count = ("ex2", "max.f32", "mul.f32", "wgmma.mma_async", "wgmma.mma_async.sync.aligned.m64n16k16")
@@ -633,6 +635,36 @@ def test_late_rescale_keeps_the_multiplies_after_the_k_wait():
     assert len(table) == len(late) >= 2, (table, late)  # the two consumers' loops at least
     assert max(table) >= 64, table
     assert max(late) < 8, late
+
+
+def _longest_max_chain(ptx: str) -> int:
+    """The most fp32 maxima in a PTX listing that wait each on the one before (through a register)."""
+    depth, longest = {}, 0
+    for line in ptx.splitlines():
+        op = re.match(r"\s*max\.f32\s+(%r\d+),\s*(%r\d+),\s*(%r\d+);", line)
+        if op:
+            depth[op.group(1)] = 1 + max(depth.get(op.group(2), 0), depth.get(op.group(3), 0))
+            longest = max(longest, depth[op.group(1)])
+        elif written := re.match(r"\s*[\w.]+\s+(%r\d+)\b", line):
+            depth.pop(written.group(1), None)  # a register written by another instruction starts over
+    return longest
+
+
+def test_tree_max_shortens_the_row_max_chain():
+    """GLUON_TREE_MAX in the Gluon forward's sm_90a PTX: a block's row max takes its 16 values a row
+    pairwise (4 levels) and then the 2 shuffle steps, 6 dependent maxima, where the table's tl.max
+    chains them (17: the control); 64 and 128 key columns alike (_tree_row_max's two forms), the
+    same count of maxima each."""
+    from sm90 import probe
+
+    code = _WS_PROBE + """
+forms = [dict(TREE_MAX=tree, KV_BLOCK=block) for block in (64, 128) for tree in (False, True)]
+print(json.dumps([ws(("max.f32",), keep_ptx=True, STAGES=2, **form) for form in forms]))"""
+    chained, tree, chained_128, tree_128 = probe(code)
+    depths = [_longest_max_chain(form["ptx_text"]) for form in (chained, tree, chained_128, tree_128)]
+    assert depths[0] >= 17 and depths[2] >= 33, depths
+    assert depths[1] <= 6 and depths[3] <= 7, depths
+    assert tree["ptx"] == chained["ptx"] and tree_128["ptx"] == chained_128["ptx"], (tree["ptx"], chained["ptx"])
 
 def test_custom_ops(triton_backend):
     q, k, v, cu = _packed([19, 5], 4, 2, 16, device=TRITON_DEVICE)
@@ -721,16 +753,19 @@ def test_gpu_accuracy_and_deterministic_backward(gpu_triton):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q_regs,late_rescale", [(False, False), (True, False), (True, True)],
-                         ids=["q-shared", "q-registers", "late-rescale"])
+@pytest.mark.parametrize("q_regs,late_rescale,tree_max", [(False, False, False), (True, False, False),
+                                                          (True, True, False), (True, False, True)],
+                         ids=["q-shared", "q-registers", "late-rescale", "tree-max"])
 @pytest.mark.parametrize("heads", [32, 16, 8, 64], ids=["group4", "group2", "group1", "group8"])
-def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monkeypatch, heads, q_regs, late_rescale):
+def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monkeypatch, heads, q_regs, late_rescale,
+                                                               tree_max):
     """The Gluon kernels over a linear K/V (the forward, dK/dV and dQ: TUNING["prefill_linear"],
     ["bwd_dkdv"] and ["bwd_dq"] with GLUON) against the tl kernels, packed and padded, bf16, head_dim 128, 8 kv
     heads: the same outputs, lse and gradients, bit for bit, with tails of a block, a chunk and a
     tile, and a sequence shorter than one block. The forward's and dQ's consumers take q (and dQ's
     dO) from shared memory or from registers (GLUON_Q_REGS); the forward's rescale where the
-    compiler puts it or after the q.k issue (GLUON_LATE_RESCALE)."""
+    compiler puts it or after the q.k issue (GLUON_LATE_RESCALE), its row max chained or as a tree
+    (GLUON_TREE_MAX)."""
     from lockstep.kernels._triton import attention as A
 
     lens = [3001, 1024, 1777, 77, 5]
@@ -747,7 +782,8 @@ def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monke
 
     def run(gluon):
         monkeypatch.setitem(A.TUNING, "prefill_linear", {**A.TUNING["prefill_linear"], "GLUON": gluon,
-                                                         "GLUON_Q_REGS": q_regs, "GLUON_LATE_RESCALE": late_rescale})
+                                                         "GLUON_Q_REGS": q_regs, "GLUON_LATE_RESCALE": late_rescale,
+                                                         "GLUON_TREE_MAX": tree_max})
         monkeypatch.setitem(A.TUNING, "bwd_dkdv", {**A.TUNING["bwd_dkdv"], "GLUON": gluon})
         monkeypatch.setitem(A.TUNING, "bwd_dq", {**A.TUNING["bwd_dq"], "GLUON": gluon, "GLUON_Q_REGS": q_regs})
         out, lse = torch.ops.lockstep.varlen_attention(q, k, v, cu, 0.088)
@@ -763,23 +799,26 @@ def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size,vllm_layout,q_regs,late_rescale",
-                         [(16, True, False, False), (16, True, True, False), (16, True, True, True),
-                          (16, False, False, False), (32, True, False, False), (64, True, True, False),
-                          (128, False, False, True), (48, True, False, False)])
+@pytest.mark.parametrize("page_size,vllm_layout,q_regs,late_rescale,tree_max",
+                         [(16, True, False, False, False), (16, True, True, False, False),
+                          (16, True, True, True, True), (16, False, False, False, False),
+                          (32, True, False, False, True), (64, True, True, False, False),
+                          (128, False, False, True, False), (48, True, False, False, False)])
 def test_gpu_paged_prefill_takes_the_gluon_forward_with_the_training_bits(gpu_triton, monkeypatch, page_size,
-                                                                          vllm_layout, q_regs, late_rescale):
+                                                                          vllm_layout, q_regs, late_rescale,
+                                                                          tree_max):
     """vLLM's prefill (TUNING["prefill"]["GLUON"]): pages of 16 or 32 keys (boxes of a page), 64 or
     128 (a block's box in one page), vLLM's interleaved K/V or separate K and V caches, one prefill of
     every prompt and a schedule of chunked prefills beside decode steps (a cache of NaN where nothing
     was written): every token's output equals training's (the table's), bit for bit, with the
     prefill's consumers taking q from shared memory or from registers (GLUON_Q_REGS), the rescale
-    where the compiler puts it or after the q.k issue (GLUON_LATE_RESCALE). 48-key pages
+    where the compiler puts it or after the q.k issue (GLUON_LATE_RESCALE), the row max chained or
+    as a tree (GLUON_TREE_MAX). 48-key pages
     are not a divisor or multiple of the 64-key block: the tl kernel takes them (the same bits)."""
     from lockstep.kernels._triton import attention as A
 
     monkeypatch.setitem(A.TUNING, "prefill", {**A.TUNING["prefill"], "GLUON_Q_REGS": q_regs,
-                                              "GLUON_LATE_RESCALE": late_rescale})
+                                              "GLUON_LATE_RESCALE": late_rescale, "GLUON_TREE_MAX": tree_max})
 
     calls = []
     real = A._prefill_ws
