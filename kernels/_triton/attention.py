@@ -957,7 +957,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
         prev = (blk - 1) % STAGES
         mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
         s = warpgroup_mma(q_op, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
-        if LATE_RESCALE:  # the rescale's multiplies in the q.k's shadow
+        if LATE_RESCALE and not ABLATE & _NO_RESCALE:  # the rescale's multiplies in the q.k's shadow
             alpha = _after_issue(alpha)
         l_c, acc_c = _ws_fold(p_l, p_o, ones_smem, v_smem, prev, l_c, acc_c, alpha, L_L, O_L, True, ABLATE)
         s = warpgroup_mma_wait(num_outstanding=FOLD_GROUPS, deps=(s, ))
