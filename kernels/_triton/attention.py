@@ -741,8 +741,9 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
 # within a warpgroup). The same operations in the same order, per row:
 # - q.k, P@V and the ones-dot row sums are wgmma's m64nNk16 chains over the same k steps as tl.dot's
 #   (the instruction shapes of the tl kernel at 8 warps: tests/test_attention.py compares them);
-# - the softmax of a block is _block_softmax, the chunk merge _merge, the output _normalised and _lse: the
-#   tl functions, called from here;
+# - the softmax of a block is _block_softmax's (its mask _masked and its _softmax_from_max, the rows' max
+#   exact in any order), the chunk merge _merge, the output _normalised and _lse: the tl functions,
+#   called from here;
 # - every block's K/V hold the tl kernel's values: a block comes as TMA boxes of one page each (the
 #   whole block where pages hold whole blocks: a linear K/V is one page); the box of the tile's last
 #   key `hi` and those after it come through descriptors made on the device that end at hi's row, so
@@ -830,8 +831,8 @@ def _after_issue(x):
 def _tree_row_max(s):
     """_row_max of a wgmma accumulator tile s ([rows, N], N 64 or 128) as a tree: a thread holds,
     of each of its two rows, the columns 8j + 2 (lane % 4) + {0, 1}; their maxima are taken pairwise
-    (the reshapes, permutes and splits move no data), four levels deep where tl.max chains the 16
-    (32) one after the other, then across the row's four lanes as tl.max does. The same value: a
+    (the reshapes, permutes and splits move no data), four levels deep (N = 128: five) where tl.max
+    chains the 16 (32) one after the other, then across the row's four lanes as tl.max does. The same value: a
     max is exact in any order (TUNING's GLUON_TREE_MAX)."""
     ROWS: gl.constexpr = s.shape[0]
     N: gl.constexpr = s.shape[1]
