@@ -358,7 +358,8 @@ def _block_softmax(s, key_pos, pos, m, qk_scale, SWAP: tl.constexpr):
     """A key block's q.k products s -> (the rows' new max, the factor alpha that rescales their
     state, the unnormalised probabilities p in fp32): keys past a row's position are -inf. Written
     in tl and called from the Gluon forward too (_ws_consumer): every kernel runs this expression."""
-    return _scaled_softmax(_masked(s, key_pos, pos, SWAP), m, qk_scale, SWAP)
+    s = _masked(s, key_pos, pos, SWAP)
+    return _softmax_from_max(s, _row_max(s, SWAP), m, qk_scale, SWAP)
 
 
 @triton.jit
@@ -372,18 +373,13 @@ def _masked(s, key_pos, pos, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _scaled_softmax(s, m, qk_scale, SWAP: tl.constexpr):
-    """_block_softmax from the block's masked products s (keys a row must not see: -inf)."""
-    return _softmax_from_max(s, _row_max(s, SWAP), m, qk_scale, SWAP)
-
-
-@triton.jit
 def _softmax_from_max(s, s_max, m, qk_scale, SWAP: tl.constexpr):
-    """_scaled_softmax given the rows' max of s (exact in any order: a kernel may reduce it as it
-    likes) and the softmax scale in log2 units: the new max is the row max of s times qk_scale
-    (rounding is monotonic, so that is the max of the rounded scaled products: a multiply a row, not
-    a key), and p = exp2(fma(s, qk_scale, -max)), one rounding and one instruction a key (FA3's
-    form; a masked key's fma is -inf, its p 0)."""
+    """_block_softmax from the block's masked products s (keys a row must not see: -inf), given
+    their rows' max s_max (exact in any order: a kernel may reduce it as it likes), and the softmax
+    scale in log2 units: the new max is the row max of s times qk_scale (rounding is monotonic, so
+    that is the max of the rounded scaled products: a multiply a row, not a key), and p =
+    exp2(fma(s, qk_scale, -max)), one rounding and one instruction a key (FA3's form; a masked
+    key's fma is -inf, its p 0)."""
     m_new = tl.maximum(m, s_max * qk_scale)
     # A row that has seen no key of this chunk yet has m_new = -inf; measuring from 0 keeps its
     # state exactly empty (l = 0, acc = 0) instead of NaN (exp2(-inf - -inf)).
@@ -862,6 +858,8 @@ def _ws_softmax(s, blk, pos, m, qk_scale, n_full, TREE_MAX: gl.constexpr):
     every bit the masked expression's. TREE_MAX: the rows' max as _tree_row_max (the same value)."""
     KV_BLOCK: gl.constexpr = s.shape[1]
     key_pos = blk * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, s.type.layout))
+    # each branch calls the softmax whole: one call after a masking `if` compiles to other code (a
+    # smaller spill, its speed unmeasured), and the table's code is the measured one
     if blk < n_full:
         m_new, alpha, p = _softmax_from_max(s, _ws_row_max(s, TREE_MAX), m, qk_scale, False)
     else:
