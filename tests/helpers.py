@@ -3,8 +3,6 @@ import os
 
 import pytest
 
-from lockstep.framework.actor.native import NativeActor
-from lockstep.framework.rollout.native import NativeRolloutEngine
 
 def optional(module: str, reason: str | None = None) -> None:
     """Skip when an optional extra is not installed, except where LOCKSTEP_REQUIRE_OPTIONAL is set
@@ -26,6 +24,8 @@ def determinism(mode="strict", case="R/R", attention=1, ffn=1, logp=1, fault="no
 
 
 def make_actor(mode="strict", seed=0, weights_bucket_mb=WEIGHTS["bucket_mb"], **algo):
+    from lockstep.framework.actor.native import NativeActor  # here: the kernels' tests need only torch and triton
+
     return NativeActor(TINY, determinism=determinism(mode), real_vocab_size=REAL_VOCAB, optim=OPTIM, algo=algo, seed=seed,
                        weights={**WEIGHTS, "bucket_mb": weights_bucket_mb})
 
@@ -57,6 +57,8 @@ class Corrupting:
 
 
 def make_engine(mode="strict", fault="none"):
+    from lockstep.framework.rollout.native import NativeRolloutEngine
+
     return NativeRolloutEngine(TINY, determinism=determinism(mode, fault=fault), real_vocab_size=REAL_VOCAB,
                                eos_ids=[2], pad_id=0)
 
