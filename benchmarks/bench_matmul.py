@@ -7,7 +7,8 @@
   for o_proj and down_proj) vs cuBLAS, same bar, on all four shapes (qkv and gate_up: what a
   `linear` on the same tree would cost).
 - RMSNorm (H=4096) and SwiGLU (width 12288): achieved bandwidth against the roofline (the device's
-  peak bandwidth, an argument) and against the torch composition the model runs without lockstep.
+  datasheet peak, looked up by its name in PEAK_BANDWIDTH; `--peak-bandwidth` for another device)
+  and against the torch composition the model runs without lockstep.
 
 Each measurement replays a CUDA graph of 10 back-to-back calls, so it times the
 kernels rather than Python launch overhead (a decode-sized GEMM takes a few microseconds); a
@@ -16,7 +17,7 @@ turns, the median turn of each kept (_harness.paired_graph_ms). Both sides run i
 on the same inputs; a weight that fits in L2 (o_proj: 32 MiB of H200's 50 MiB) stays cached across calls for
 both, so small-M rows of that shape measure L2 rather than HBM bandwidth.
 
-    python benchmarks/bench_matmul.py [--peak-bandwidth 4.8e12]
+    python benchmarks/bench_matmul.py [--peak-bandwidth 3.35e12]
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ GEMM_M = [1, 8, 64, 256, 1024, 4096, 16384]
 NORM_M = [256, 4096, 16384]
 HIDDEN = 4096
 FFN_WIDTH = 12288
-H200_PEAK_BANDWIDTH = 4.8e12  # B/s
+# datasheet HBM bandwidth, B/s, by a substring of torch.cuda.get_device_name()
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12}
 DTYPE = torch.bfloat16
 
 
@@ -88,10 +90,20 @@ def bandwidth_table(peak_bandwidth: float) -> str:
                           columns, rows)
 
 
-def run(out_md_lines: list[str], peak_bandwidth: float = H200_PEAK_BANDWIDTH) -> None:
-    """Append the GEMM and the memory-bound tables (markdown) to out_md_lines. CUDA only."""
+def device_peak_bandwidth(name: str) -> float:
+    for key, bandwidth in PEAK_BANDWIDTH.items():
+        if key in name:
+            return bandwidth
+    raise ValueError(f"bench_matmul: no peak bandwidth known for {name!r} (PEAK_BANDWIDTH in "
+                     f"benchmarks/bench_matmul.py knows {sorted(PEAK_BANDWIDTH)}); pass --peak-bandwidth B/s")
+
+
+def run(out_md_lines: list[str], peak_bandwidth: float | None = None) -> None:
+    """Append the GEMM and the memory-bound tables (markdown) to out_md_lines. CUDA only; the
+    roofline is the device's (PEAK_BANDWIDTH) unless peak_bandwidth is given."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench_matmul needs a CUDA device")
+    peak_bandwidth = peak_bandwidth or device_peak_bandwidth(torch.cuda.get_device_name())
     with K.using_backend("triton"):
         out_md_lines.append(gemm_table("GEMM (bf16, Qwen3-8B projections): linear vs cuBLAS",
                                        QWEN3_8B_PROJECTIONS, K.linear))
@@ -104,8 +116,8 @@ def run(out_md_lines: list[str], peak_bandwidth: float = H200_PEAK_BANDWIDTH) ->
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peak-bandwidth", type=float, default=H200_PEAK_BANDWIDTH,
-                        help="peak memory bandwidth of the device in B/s (default: H200)")
+    parser.add_argument("--peak-bandwidth", type=float, default=None,
+                        help="peak memory bandwidth of the device in B/s (default: the device's, from PEAK_BANDWIDTH)")
     args = parser.parse_args()
     lines: list[str] = []
     run(lines, args.peak_bandwidth)
