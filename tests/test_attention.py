@@ -14,7 +14,6 @@ head shapes and sequences of 1-3k tokens.
 """
 import math
 import os
-import re
 
 import pytest
 import torch
@@ -448,16 +447,13 @@ ws_desc = lambda box: f"tensordesc<bf16[{box}, 128],{gluon_layout([box, 128])!r}
 gluon, gluon_q_regs = (compile_sm90(A._prefill_ws_kernel, lambda n: "i32" if n in WS_INTS else types(n),
                                     dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK,
                                          k_all=None, v_all=None, STAGES=cfg["GLUON_STAGES"], FROM_LENS=False,
-                                         Q_REGS=q_regs, LATE_RESCALE=cfg["GLUON_LATE_RESCALE"],
-                                         TREE_MAX=cfg["GLUON_TREE_MAX"]), 4, 1)
-                      for q_regs in (False, True))
+                                         Q_REGS=q_regs), 4, 1) for q_regs in (False, True))
 # vLLM's prefill: 16-key pages, positions from the sequence lengths
 cfg = A.TUNING["prefill"]
 gluon_paged = compile_sm90(A._prefill_ws_kernel, lambda n: ws_desc(16) if n.endswith("_all") else "i32"
                            if n in WS_INTS else types(n), dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK,
                            KV_CHUNK=A.KV_CHUNK, BOX=16, STAGES=cfg["GLUON_STAGES"], FROM_LENS=True,
-                           Q_REGS=cfg["GLUON_Q_REGS"], LATE_RESCALE=cfg["GLUON_LATE_RESCALE"],
-                           TREE_MAX=cfg["GLUON_TREE_MAX"]), 4, 1)
+                           Q_REGS=cfg["GLUON_Q_REGS"]), 4, 1)
 bwd_types = lambda n: "fp32" if n in ("qk_scale", "scale") else "*fp32" if n == "delta" else types(n)
 cfg = A.TUNING["bwd_dkdv"]
 dkdv = compile_sm90(A._bwd_dkdv_kernel, lambda n: "*i32" if n == "kv_count" else bwd_types(n),
@@ -556,8 +552,7 @@ def test_decode_and_prefill_multiply_with_wgmma():
     assert prefill["spill_bytes"] <= 128, prefill
 
 
-# the Gluon forward over training's linear K/V as TUNING["prefill_linear"] runs it: ws(**constexprs) compiles it
-_WS_PROBE = r"""
+_ABLATION_PROBE = r"""
 import json
 from sm90 import compile_sm90
 from lockstep.kernels._triton import attention as A
@@ -567,14 +562,11 @@ INTS = {"stride_table", "page_size", "stride_slot", "n_heads", "min_queries", "n
 POINTEE = {"lse": "fp32", "q_begin": "i32", "q_count": "i32", "q_pos": "i32", "page_table": "i32"}
 types = lambda n: "fp32" if n == "qk_scale" else "i32" if n in INTS else "*" + POINTEE.get(n, "bf16")
 cfg = A.TUNING["prefill_linear"]
-ws = lambda count=(), keep_ptx=False, **constexprs: compile_sm90(A._prefill_ws_kernel, types, {**dict(
+print(json.dumps({ablate: compile_sm90(A._prefill_ws_kernel, types, dict(
     GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK, k_all=None, v_all=None,
-    STAGES=cfg["GLUON_STAGES"], FROM_LENS=False, Q_REGS=cfg["GLUON_Q_REGS"], LATE_RESCALE=cfg["GLUON_LATE_RESCALE"],
-    TREE_MAX=cfg["GLUON_TREE_MAX"]), **constexprs}, 4, 1, count=count, keep_ptx=keep_ptx)
-"""
-_ABLATION_PROBE = _WS_PROBE + r"""
-count = ("ex2", "max.f32", "mul.f32", "wgmma.mma_async", "wgmma.mma_async.sync.aligned.m64n16k16")
-print(json.dumps({ablate: ws(count, ABLATE=ablate) for ablate in (0, 1, 2, 4)}))
+    STAGES=cfg["GLUON_STAGES"], FROM_LENS=False, Q_REGS=cfg["GLUON_Q_REGS"], ABLATE=ablate), 4, 1,
+    count=("ex2", "max.f32", "mul.f32", "wgmma.mma_async", "wgmma.mma_async.sync.aligned.m64n16k16"))
+    for ablate in (0, 1, 2, 4)}))
 """
 
 
@@ -604,67 +596,6 @@ def test_probe_prefill_ablations_leave_out_their_work():
     # loop): a variant's time is its work's, not a spill's
     assert all(v["spill_bytes"] <= whole["spill_bytes"] <= 32 for v in (no_softmax, no_row_sums, no_rescale))
 
-
-def _multiplies_before_k_wait(ptx: str) -> list[int]:
-    """For each block loop of a Gluon forward's PTX (an mbarrier wait followed by the three wgmma
-    chains of an iteration: q.k, the row sums and P@V), the fp32 multiplies between the loop's
-    label and that wait."""
-    lines, counts = ptx.splitlines(), []
-    for i, line in enumerate(lines):
-        if "mbarrier.try_wait" not in line:
-            continue
-        shapes, j = set(), i
-        while j < len(lines) and "wgmma.wait_group" not in lines[j]:
-            shapes.update(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", lines[j]))
-            j += 1
-        if len(shapes) == 3:
-            top = max(k for k in range(i) if lines[k].startswith("$L__BB"))
-            counts.append(sum("mul.f32" in x for x in lines[top:i]))
-    return counts
-
-
-def test_late_rescale_keeps_the_multiplies_after_the_k_wait():
-    """GLUON_LATE_RESCALE's premise, in the Gluon forward's sm_90a PTX: in the table's form one
-    consumer's block loop multiplies its chunk state by alpha (64 + 8 a thread) before it waits for
-    the block's K, ahead of that block's q.k wgmmas (LLVM hoists them; the control, which shows that
-    the check can fire); with the flag no block loop does. The multiplies are the same either way."""
-    from sm90 import probe
-
-    code = _WS_PROBE + "print(json.dumps([ws(keep_ptx=True, LATE_RESCALE=late)['ptx_text'] for late in (False, True)]))"
-    table, late = (_multiplies_before_k_wait(ptx) for ptx in probe(code))
-    assert len(table) == len(late) >= 2, (table, late)  # the two consumers' loops at least
-    assert max(table) >= 64, table
-    assert max(late) < 8, late
-
-
-def _longest_max_chain(ptx: str) -> int:
-    """The most fp32 maxima in a PTX listing that wait each on the one before (through a register)."""
-    depth, longest = {}, 0
-    for line in ptx.splitlines():
-        op = re.match(r"\s*max\.f32\s+(%r\d+),\s*(%r\d+),\s*(%r\d+);", line)
-        if op:
-            depth[op.group(1)] = 1 + max(depth.get(op.group(2), 0), depth.get(op.group(3), 0))
-            longest = max(longest, depth[op.group(1)])
-        elif written := re.match(r"\s*[\w.]+\s+(%r\d+)\b", line):
-            depth.pop(written.group(1), None)  # a register written by another instruction starts over
-    return longest
-
-
-def test_tree_max_shortens_the_row_max_chain():
-    """GLUON_TREE_MAX in the Gluon forward's sm_90a PTX: a block's row max takes its 16 values a row
-    pairwise (4 levels) and then the 2 shuffle steps, 6 dependent maxima, where the table's tl.max
-    chains them (17: the control); 64 and 128 key columns alike (_tree_row_max's two forms), the
-    same count of maxima each."""
-    from sm90 import probe
-
-    code = _WS_PROBE + """
-forms = [dict(TREE_MAX=tree, KV_BLOCK=block) for block in (64, 128) for tree in (False, True)]
-print(json.dumps([ws(("max.f32",), keep_ptx=True, STAGES=2, **form) for form in forms]))"""
-    chained, tree, chained_128, tree_128 = probe(code)
-    depths = [_longest_max_chain(form["ptx_text"]) for form in (chained, tree, chained_128, tree_128)]
-    assert depths[0] >= 17 and depths[2] >= 33, depths
-    assert depths[1] <= 6 and depths[3] <= 7, depths
-    assert tree["ptx"] == chained["ptx"] and tree_128["ptx"] == chained_128["ptx"], (tree["ptx"], chained["ptx"])
 
 def test_custom_ops(triton_backend):
     q, k, v, cu = _packed([19, 5], 4, 2, 16, device=TRITON_DEVICE)
@@ -753,19 +684,14 @@ def test_gpu_accuracy_and_deterministic_backward(gpu_triton):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q_regs,late_rescale,tree_max", [(False, False, False), (True, False, False),
-                                                          (True, True, False), (True, False, True)],
-                         ids=["q-shared", "q-registers", "late-rescale", "tree-max"])
+@pytest.mark.parametrize("q_regs", [False, True], ids=["q-shared", "q-registers"])
 @pytest.mark.parametrize("heads", [32, 16, 8, 64], ids=["group4", "group2", "group1", "group8"])
-def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monkeypatch, heads, q_regs, late_rescale,
-                                                               tree_max):
+def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monkeypatch, heads, q_regs):
     """The Gluon kernels over a linear K/V (the forward, dK/dV and dQ: TUNING["prefill_linear"],
     ["bwd_dkdv"] and ["bwd_dq"] with GLUON) against the tl kernels, packed and padded, bf16, head_dim 128, 8 kv
     heads: the same outputs, lse and gradients, bit for bit, with tails of a block, a chunk and a
     tile, and a sequence shorter than one block. The forward's and dQ's consumers take q (and dQ's
-    dO) from shared memory or from registers (GLUON_Q_REGS); the forward's rescale where the
-    compiler puts it or after the q.k issue (GLUON_LATE_RESCALE), its row max chained or as a tree
-    (GLUON_TREE_MAX)."""
+    dO) from shared memory or from registers (GLUON_Q_REGS)."""
     from lockstep.kernels._triton import attention as A
 
     lens = [3001, 1024, 1777, 77, 5]
@@ -782,8 +708,7 @@ def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monke
 
     def run(gluon):
         monkeypatch.setitem(A.TUNING, "prefill_linear", {**A.TUNING["prefill_linear"], "GLUON": gluon,
-                                                         "GLUON_Q_REGS": q_regs, "GLUON_LATE_RESCALE": late_rescale,
-                                                         "GLUON_TREE_MAX": tree_max})
+                                                         "GLUON_Q_REGS": q_regs})
         monkeypatch.setitem(A.TUNING, "bwd_dkdv", {**A.TUNING["bwd_dkdv"], "GLUON": gluon})
         monkeypatch.setitem(A.TUNING, "bwd_dq", {**A.TUNING["bwd_dq"], "GLUON": gluon, "GLUON_Q_REGS": q_regs})
         out, lse = torch.ops.lockstep.varlen_attention(q, k, v, cu, 0.088)
@@ -799,26 +724,20 @@ def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size,vllm_layout,q_regs,late_rescale,tree_max",
-                         [(16, True, False, False, False), (16, True, True, False, False),
-                          (16, True, True, True, True), (16, False, False, False, False),
-                          (32, True, False, False, True), (64, True, True, False, False),
-                          (128, False, False, True, False), (48, True, False, False, False)])
+@pytest.mark.parametrize("page_size,vllm_layout,q_regs", [(16, True, False), (16, True, True), (16, False, False),
+                                                          (32, True, False), (64, True, True), (128, False, False),
+                                                          (48, True, False)])
 def test_gpu_paged_prefill_takes_the_gluon_forward_with_the_training_bits(gpu_triton, monkeypatch, page_size,
-                                                                          vllm_layout, q_regs, late_rescale,
-                                                                          tree_max):
+                                                                          vllm_layout, q_regs):
     """vLLM's prefill (TUNING["prefill"]["GLUON"]): pages of 16 or 32 keys (boxes of a page), 64 or
     128 (a block's box in one page), vLLM's interleaved K/V or separate K and V caches, one prefill of
     every prompt and a schedule of chunked prefills beside decode steps (a cache of NaN where nothing
     was written): every token's output equals training's (the table's), bit for bit, with the
-    prefill's consumers taking q from shared memory or from registers (GLUON_Q_REGS), the rescale
-    where the compiler puts it or after the q.k issue (GLUON_LATE_RESCALE), the row max chained or
-    as a tree (GLUON_TREE_MAX). 48-key pages
+    prefill's consumers taking q from shared memory or from registers (GLUON_Q_REGS). 48-key pages
     are not a divisor or multiple of the 64-key block: the tl kernel takes them (the same bits)."""
     from lockstep.kernels._triton import attention as A
 
-    monkeypatch.setitem(A.TUNING, "prefill", {**A.TUNING["prefill"], "GLUON_Q_REGS": q_regs,
-                                              "GLUON_LATE_RESCALE": late_rescale, "GLUON_TREE_MAX": tree_max})
+    monkeypatch.setitem(A.TUNING, "prefill", {**A.TUNING["prefill"], "GLUON_Q_REGS": q_regs})
 
     calls = []
     real = A._prefill_ws

@@ -97,7 +97,7 @@ TUNING = {
     # 433 (3 stages, q in shared memory; 1.071x; 3 stages with q in registers 411 us), bits equal
     # (the twenty-ninth session, H200, CUDA graphs)
     "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True, GLUON=True, GLUON_STAGES=4,
-                    GLUON_Q_REGS=True, GLUON_LATE_RESCALE=False, GLUON_TREE_MAX=False),
+                    GLUON_Q_REGS=True),
     # the same over a linear K/V (training's packed or padded one): TMA (on GPUs that have it) brings
     # every block but a tile's last through a descriptor, pipelined by Triton over num_stages (242
     # registers, no spill). sweep_attention.py, H200, 4 x 4,096 packed tokens, two calls: 2.09-2.18 ms
@@ -126,22 +126,12 @@ TUNING = {
     # benchmarks/probe_prefill.py (the same session, q in shared memory): without its softmax the
     # forward takes 0.85x the time, without the rescale 0.93x, the row-sum dots 0.96x, the chunk
     # merges 0.96x, and with none of them ("MMAs only") 0.73x: 538 TFLOP/s against the whole's 395
-    # and torch's fastest SDPA forward's 533
-    # GLUON_LATE_RESCALE (both entries; not measured yet): the chunk state's rescale by alpha (72
-    # multiplies a thread a block) is written between a block's q.k wgmmas and its P@V's, in their
-    # shadow, as FA3 places it; LLVM's NVPTX backend moves pure arithmetic freely, and in the
-    # consumer that runs as a worker partition it hoists the multiplies above the loop's barrier and
-    # K wait (sm_90a PTX, Triton 3.6), so that they delay that block's q.k. With the flag, alpha
-    # passes through an identity with side effects issued after the q.k wgmmas, which keeps them
-    # there in the PTX; ptxas then still issues about half of them before the first q.k wgmma.
-    # The same bits (the same multiplies); tests/test_attention.py checks the PTX's order
-    # GLUON_TREE_MAX (both entries; not measured yet): a block's row max (_tree_row_max) pairwise
-    # over the 16 values a thread holds of each of its two rows, where tl.max chains them one after
-    # the other: the longest chain of dependent maxima in the PTX goes from 17 to 6, the two rows'
-    # interleaved, with the same instructions (the consumers issue in order, and two warps an SM
-    # sub-partition hide little of a chain's latency). The same value (a max is exact in any order)
+    # and torch's fastest SDPA forward's 533. Tried, not kept (the thirty-first session, H100, bits
+    # equal): the worker consumer's chunk-state rescale pinned after its q.k issue (LLVM hoists it
+    # above the K wait) and the block's row max as a tree (6 dependent maxima, not 17): 0.98-1.01x
+    # either entry, each alone and both, the table itself 0.995-0.998x of itself in the same sweep
     "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True,
-                           GLUON_STAGES=4, GLUON_Q_REGS=True, GLUON_LATE_RESCALE=False, GLUON_TREE_MAX=False),
+                           GLUON_STAGES=4, GLUON_Q_REGS=True),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
     # group's query heads; the last of them to finish merges the chunk states, or with P = 1 the one
     # program merges in registers. SWAP: the dots run with their operands swapped, the heads as the
@@ -358,29 +348,21 @@ def _block_softmax(s, key_pos, pos, m, qk_scale, SWAP: tl.constexpr):
     """A key block's q.k products s -> (the rows' new max, the factor alpha that rescales their
     state, the unnormalised probabilities p in fp32): keys past a row's position are -inf. Written
     in tl and called from the Gluon forward too (_ws_consumer): every kernel runs this expression."""
-    s = _masked(s, key_pos, pos, SWAP)
-    return _softmax_from_max(s, _row_max(s, SWAP), m, qk_scale, SWAP)
-
-
-@triton.jit
-def _masked(s, key_pos, pos, SWAP: tl.constexpr):
-    """The products s with the keys past a row's position -inf."""
     if SWAP:
         seen = key_pos[:, None] <= pos[None, :]
     else:
         seen = key_pos[None, :] <= pos[:, None]
-    return tl.where(seen, s, float("-inf"))
+    return _scaled_softmax(tl.where(seen, s, float("-inf")), m, qk_scale, SWAP)
 
 
 @triton.jit
-def _softmax_from_max(s, s_max, m, qk_scale, SWAP: tl.constexpr):
-    """_block_softmax from the block's masked products s (keys a row must not see: -inf), given
-    their rows' max s_max (exact in any order: a kernel may reduce it as it likes), and the softmax
-    scale in log2 units: the new max is the row max of s times qk_scale (rounding is monotonic, so
-    that is the max of the rounded scaled products: a multiply a row, not a key), and p =
-    exp2(fma(s, qk_scale, -max)), one rounding and one instruction a key (FA3's form; a masked
+def _scaled_softmax(s, m, qk_scale, SWAP: tl.constexpr):
+    """_block_softmax from the block's masked products s (keys a row must not see: -inf) and the
+    softmax scale in log2 units: the new max is the row max of s times qk_scale (rounding is
+    monotonic, so that is the max of the rounded scaled products: a multiply a row, not a key), and
+    p = exp2(fma(s, qk_scale, -max)), one rounding and one instruction a key (FA3's form; a masked
     key's fma is -inf, its p 0)."""
-    m_new = tl.maximum(m, s_max * qk_scale)
+    m_new = tl.maximum(m, _row_max(s, SWAP) * qk_scale)
     # A row that has seen no key of this chunk yet has m_new = -inf; measuring from 0 keeps its
     # state exactly empty (l = 0, acc = 0) instead of NaN (exp2(-inf - -inf)).
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -737,9 +719,8 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
 # within a warpgroup). The same operations in the same order, per row:
 # - q.k, P@V and the ones-dot row sums are wgmma's m64nNk16 chains over the same k steps as tl.dot's
 #   (the instruction shapes of the tl kernel at 8 warps: tests/test_attention.py compares them);
-# - the softmax of a block is _block_softmax's (its mask _masked and its _softmax_from_max, the rows' max
-#   exact in any order), the chunk merge _merge, the output _normalised and _lse: the tl functions,
-#   called from here;
+# - the softmax of a block is _block_softmax, the chunk merge _merge, the output _normalised and _lse: the
+#   tl functions, called from here;
 # - every block's K/V hold the tl kernel's values: a block comes as TMA boxes of one page each (the
 #   whole block where pages hold whole blocks: a linear K/V is one page); the box of the tile's last
 #   key `hi` and those after it come through descriptors made on the device that end at hi's row, so
@@ -817,65 +798,17 @@ def _wgmma_a(smem, ACC_L: gl.constexpr, REGS: gl.constexpr):
 
 
 @gluon.jit
-def _after_issue(x):
-    """x (fp32) through an identity with side effects: LLVM keeps it, and what uses it, after the
-    wgmmas issued before it (TUNING's GLUON_LATE_RESCALE)."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _tree_row_max(s):
-    """_row_max of a wgmma accumulator tile s ([rows, N], N 64 or 128) as a tree: a thread holds,
-    of each of its two rows, the columns 8j + 2 (lane % 4) + {0, 1}; their maxima are taken pairwise
-    (the reshapes, permutes and splits move no data), four levels deep (N = 128: five) where tl.max
-    chains the 16 (32) one after the other, then across the row's four lanes as tl.max does. The same value: a
-    max is exact in any order (TUNING's GLUON_TREE_MAX)."""
-    ROWS: gl.constexpr = s.shape[0]
-    N: gl.constexpr = s.shape[1]
-    gl.static_assert((N == 64) | (N == 128), "_tree_row_max: a 64- or 128-column tile")
-    # column = 32 j2 + 16 j1 + 8 j0 + 2 lane + pair (j2 of N / 32)
-    a, b = gl.split(gl.reshape(s, [ROWS, N // 32, 2, 2, 4, 2]))
-    x = gl.maximum(a, b)  # [rows, j2, j1, j0, lane]
-    a, b = gl.split(gl.permute(x, (0, 1, 2, 4, 3)))
-    x = gl.maximum(a, b)  # [rows, j2, j1, lane]
-    a, b = gl.split(gl.permute(x, (0, 1, 3, 2)))
-    x = gl.maximum(a, b)  # [rows, j2, lane]
-    if N == 64:
-        a, b = gl.split(gl.permute(x, (0, 2, 1)))
-        x = gl.maximum(a, b)  # [rows, lane]
-    else:
-        a, b = gl.split(gl.reshape(gl.permute(x, (0, 2, 1)), [ROWS, 4, 2, 2]))
-        x = gl.maximum(a, b)
-        a, b = gl.split(x)
-        x = gl.maximum(a, b)  # [rows, lane]
-    return gl.convert_layout(gl.max(x, 1), gl.SliceLayout(1, s.type.layout))
-
-
-@gluon.jit
-def _ws_softmax(s, blk, pos, m, qk_scale, n_full, TREE_MAX: gl.constexpr):
+def _ws_softmax(s, blk, pos, m, qk_scale, n_full):
     """_block_softmax of block blk for a consumer's rows (positions pos). A block that every row
-    sees whole (blk < n_full) skips the mask (its compares and selects): the products as they are,
-    every bit the masked expression's. TREE_MAX: the rows' max as _tree_row_max (the same value)."""
+    sees whole (blk < n_full) skips the mask (its compares and selects): _scaled_softmax of the
+    products as they are, every bit the masked expression's."""
     KV_BLOCK: gl.constexpr = s.shape[1]
     key_pos = blk * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(0, s.type.layout))
-    # each branch calls the softmax whole: one call after a masking `if` compiles to other code (a
-    # smaller spill, its speed unmeasured), and the table's code is the measured one
     if blk < n_full:
-        m_new, alpha, p = _softmax_from_max(s, _ws_row_max(s, TREE_MAX), m, qk_scale, False)
+        m_new, alpha, p = _scaled_softmax(s, m, qk_scale, False)
     else:
-        s = _masked(s, key_pos, pos, False)
-        m_new, alpha, p = _softmax_from_max(s, _ws_row_max(s, TREE_MAX), m, qk_scale, False)
+        m_new, alpha, p = _block_softmax(s, key_pos, pos, m, qk_scale, False)
     return m_new, alpha, p
-
-
-@gluon.jit
-def _ws_row_max(s, TREE: gl.constexpr):
-    """The rows' max of s: _tree_row_max, or tl.max's chain (_row_max)."""
-    if TREE:
-        out = _tree_row_max(s)
-    else:
-        out = _row_max(s, False)
-    return out
 
 
 # ABLATE (benchmarks/probe_prefill.py only; 0 everywhere else): bits of work the Gluon forward's
@@ -886,13 +819,13 @@ _NO_RESCALE = gl.constexpr(4)  # the chunk state's accumulators not multiplied b
 
 
 @gluon.jit
-def _ablated_softmax(s, blk, pos, m, qk_scale, n_full, TREE_MAX: gl.constexpr, ABLATE: gl.constexpr):
+def _ablated_softmax(s, blk, pos, m, qk_scale, n_full, ABLATE: gl.constexpr):
     """_ws_softmax, or with ABLATE's _NO_SOFTMAX the products as P and qk_scale as alpha (a value the
     compiler cannot know, so that the rescale stays)."""
     if ABLATE & _NO_SOFTMAX:
         m_new, alpha, p = m, _col(gl.full(m.shape, qk_scale, gl.float32, m.type.layout), False), s
     else:
-        m_new, alpha, p = _ws_softmax(s, blk, pos, m, qk_scale, n_full, TREE_MAX)
+        m_new, alpha, p = _ws_softmax(s, blk, pos, m, qk_scale, n_full)
     return m_new, alpha, p
 
 
@@ -915,11 +848,9 @@ def _ws_fold(p_l, p_o, ones_smem, v_smem, st, l_c, acc_c, alpha, L_L: gl.constex
 @gluon.jit
 def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq, row0,
                  kv_head, n_heads, qk_scale, last, GROUP: gl.constexpr, KV_CHUNK: gl.constexpr, STAGES: gl.constexpr,
-                 FROM_LENS: gl.constexpr, Q_REGS: gl.constexpr, LATE_RESCALE: gl.constexpr,
-                 TREE_MAX: gl.constexpr, ABLATE: gl.constexpr):
+                 FROM_LENS: gl.constexpr, Q_REGS: gl.constexpr, ABLATE: gl.constexpr):
     """Rows row0 .. row0 + 63 of the tile: every block folded into the chunk state, chunk states
-    merged into the running state at each chunk's last block (or the tile's last), as _row_state.
-    LATE_RESCALE, TREE_MAX: TUNING's GLUON_LATE_RESCALE and GLUON_TREE_MAX."""
+    merged into the running state at each chunk's last block (or the tile's last), as _row_state."""
     ROWS: gl.constexpr = q_smem.shape[0]
     D: gl.constexpr = q_smem.shape[1]
     KV_BLOCK: gl.constexpr = k_smem.shape[1]
@@ -947,7 +878,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
     q_op = _wgmma_a(q_smem, S_L, Q_REGS)
     mbarrier.wait(ready.index(0), 0)
     s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
-    m_c, alpha, p = _ablated_softmax(s, 0, pos, m_c, qk_scale, n_full, TREE_MAX, ABLATE)
+    m_c, alpha, p = _ablated_softmax(s, 0, pos, m_c, qk_scale, n_full, ABLATE)
     p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
     p_o = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, O_L, 2))
     FOLD_GROUPS: gl.constexpr = 1 if ABLATE & _NO_ROW_SUMS else 2  # wgmma groups a block's fold commits
@@ -956,14 +887,12 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
         prev = (blk - 1) % STAGES
         mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
         s = warpgroup_mma(q_op, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
-        if LATE_RESCALE and not ABLATE & _NO_RESCALE:  # the rescale's multiplies in the q.k's shadow
-            alpha = _after_issue(alpha)
         l_c, acc_c = _ws_fold(p_l, p_o, ones_smem, v_smem, prev, l_c, acc_c, alpha, L_L, O_L, True, ABLATE)
         s = warpgroup_mma_wait(num_outstanding=FOLD_GROUPS, deps=(s, ))
         m_done = m_c  # block blk - 1's chunk max
         if blk % (KV_CHUNK // KV_BLOCK) == 0:  # block blk starts a chunk: from the empty state
             m_c = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
-        m_c, alpha, p = _ablated_softmax(s, blk, pos, m_c, qk_scale, n_full, TREE_MAX, ABLATE)
+        m_c, alpha, p = _ablated_softmax(s, blk, pos, m_c, qk_scale, n_full, ABLATE)
         l_c, acc_c, p_l, p_o = warpgroup_mma_wait(num_outstanding=0, deps=(l_c, acc_c, p_l, p_o))
         mbarrier.arrive(empty.index(prev), count=1)
         p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
@@ -991,15 +920,15 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
                        head_rows, head_cols, stride_slot, kv_width, n_heads, qk_scale, min_queries, n_seqs, k_all, v_all,
                        GROUP: gl.constexpr, D: gl.constexpr, KV_BLOCK: gl.constexpr, KV_CHUNK: gl.constexpr,
                        BOX: gl.constexpr, STAGES: gl.constexpr, FROM_LENS: gl.constexpr, Q_REGS: gl.constexpr,
-                       LATE_RESCALE: gl.constexpr, TREE_MAX: gl.constexpr, ABLATE: gl.constexpr = 0):
+                       ABLATE: gl.constexpr = 0):
     """_prefill_kernel, warp-specialised: a program per (128-row tile, kv head, sequence), ranked as
     _prefill_kernel's. K/V are read as a [rows, kv_width] matrix of row pitch stride_slot: the key
     in slot s of page p of kv head h is row p * page_rows + h * head_rows + s, at column h *
     head_cols; k_all, v_all: its host descriptors in BOX-key boxes for a paged K/V, None for a linear
     one (one page a sequence: the descriptors made here, ending at the tile's last key, serve every
     block, and the launch carries no host descriptor). Q_REGS: TUNING's GLUON_Q_REGS (each consumer's
-    q in registers, the A operand of its q.k wgmmas); LATE_RESCALE, TREE_MAX: its GLUON_LATE_RESCALE
-    and GLUON_TREE_MAX. ABLATE: 0, or work left out for a probe (above _ablated_softmax)."""
+    q in registers, the A operand of its q.k wgmmas). ABLATE: 0, or work left out for a probe (above
+    _ablated_softmax)."""
     rank, kv_head, seq = _ranked_program(gl.program_id(0), n_heads // GROUP, n_seqs)
     begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
     tile = gl.cdiv(n_queries * GROUP, _WS_TILE) - 1 - rank  # rank 0: the sequence's latest queries
@@ -1038,10 +967,10 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
     gl.warp_specialize([
         (_ws_consumer, (q0_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
                         tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, FROM_LENS,
-                        Q_REGS, LATE_RESCALE, TREE_MAX, ABLATE)),
+                        Q_REGS, ABLATE)),
         (_ws_consumer, (q1_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
                         tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES,
-                        FROM_LENS, Q_REGS, LATE_RESCALE, TREE_MAX, ABLATE)),
+                        FROM_LENS, Q_REGS, ABLATE)),
         (_ws_producer, (k_src, v_src, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
                         head_row, kv_head * head_cols, hi, row_hi, last, STAGES)),
     ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
@@ -1716,8 +1645,8 @@ def _prefill_ws(queries: _Queries, keys: _Keys, view: _TmaView, out, lse, group:
         q, keys.k, keys.v, out, lse, *_query_args(queries), keys.table, keys.table.stride(0), keys.page_size,
         view.page_rows, view.head_rows, view.head_cols, keys.stride_slot, view.width, q.shape[1], qk_scale,
         min_queries, n_seqs, k_all, v_all, GROUP=group, D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, BOX=view.box,
-        STAGES=cfg["GLUON_STAGES"], FROM_LENS=queries.from_lens, Q_REGS=cfg["GLUON_Q_REGS"],
-        LATE_RESCALE=cfg["GLUON_LATE_RESCALE"], TREE_MAX=cfg["GLUON_TREE_MAX"], ABLATE=ablate, num_warps=4)
+        STAGES=cfg["GLUON_STAGES"], FROM_LENS=queries.from_lens, Q_REGS=cfg["GLUON_Q_REGS"], ABLATE=ablate,
+        num_warps=4)
 
 
 def _tma_capable(t: torch.Tensor) -> bool:
