@@ -58,3 +58,27 @@ def test_every_benchmark_script_imports_without_a_gpu():
     res = subprocess.run([sys.executable, "-c", code, *scripts], cwd=ROOT / "benchmarks", capture_output=True,
                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT / "benchmarks")})
     assert res.returncode == 0, f"benchmark scripts that fail at import:\n{res.stdout}{res.stderr[-2000:]}"
+
+
+def test_the_kernels_tests_collect_without_the_framework_extras():
+    """benchmarks/gpu_session.sh's kernel_tests stage runs test_triton_kernels.py, test_triton_logp.py
+    and test_attention.py on the GPU host with only torch and triton (the call carries vLLM instead of
+    Ray, Hydra and megatron-core), so conftest.py's imports and those files' must not need them. In a
+    fresh interpreter where importing ray, hydra, omegaconf, megatron or vllm fails, pytest collects
+    them; the control shows the block fires (the native rollout engine imports ray)."""
+    import os
+    import subprocess
+    import sys
+
+    block = ("import sys\nclass _Block:\n    def find_spec(self, name, path=None, target=None):\n"
+             "        if name.split('.')[0] in ('ray', 'hydra', 'omegaconf', 'megatron', 'vllm'):\n"
+             "            raise ImportError('blocked ' + name)\nsys.meta_path.insert(0, _Block())\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "TRITON_INTERPRET": "1"}
+    files = ["tests/test_triton_kernels.py", "tests/test_triton_logp.py", "tests/test_attention.py"]
+    collect = block + ("import pytest\nsys.exit(pytest.main(['-q', '--collect-only', '-p', 'no:hydra_pytest', "
+                       f"'-p', 'no:cacheprovider', *{files!r}]))\n")
+    res = subprocess.run([sys.executable, "-c", collect], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0 and " collected" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+    control = block + "import lockstep.framework.rollout.native\n"
+    res = subprocess.run([sys.executable, "-c", control], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode != 0 and "blocked ray" in res.stderr, res.stderr[-2000:]
