@@ -61,11 +61,11 @@ def test_every_benchmark_script_imports_without_a_gpu():
 
 
 def test_the_kernels_tests_collect_without_the_framework_extras():
-    """benchmarks/gpu_session.sh's kernel_tests stage runs test_triton_kernels.py, test_triton_logp.py
-    and test_attention.py on the GPU host with only torch and triton (the call carries vLLM instead of
-    Ray, Hydra and megatron-core), so conftest.py's imports and those files' must not need them. In a
-    fresh interpreter where importing ray, hydra, omegaconf, megatron or vllm fails, pytest collects
-    them; the control shows the block fires (the native rollout engine imports ray)."""
+    """benchmarks/gpu_session.sh's kernel_tests stage runs its default test files (read from the script)
+    on the GPU host with only torch and triton (the call carries vLLM instead of Ray, Hydra and
+    megatron-core), so conftest.py's imports and those files' must not need them. In a fresh
+    interpreter where importing ray, hydra, omegaconf, megatron or vllm fails, pytest collects them;
+    the control shows the block fires (the native rollout engine imports ray)."""
     import os
     import subprocess
     import sys
@@ -74,7 +74,9 @@ def test_the_kernels_tests_collect_without_the_framework_extras():
              "        if name.split('.')[0] in ('ray', 'hydra', 'omegaconf', 'megatron', 'vllm'):\n"
              "            raise ImportError('blocked ' + name)\nsys.meta_path.insert(0, _Block())\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "TRITON_INTERPRET": "1"}
-    files = ["tests/test_triton_kernels.py", "tests/test_triton_logp.py", "tests/test_attention.py"]
+    stage = (ROOT / "benchmarks" / "gpu_session.sh").read_text().split("    kernel_tests)", 1)[1].split(";;", 1)[0]
+    files = re.search(r"\$\{GPU_TESTS:-([^}]*)\}", stage).group(1).split()  # the stage's default files
+    assert "tests/test_attention.py" in files, files
     collect = block + ("import pytest\nsys.exit(pytest.main(['-q', '--collect-only', '-p', 'no:hydra_pytest', "
                        f"'-p', 'no:cacheprovider', *{files!r}]))\n")
     res = subprocess.run([sys.executable, "-c", collect], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
