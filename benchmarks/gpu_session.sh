@@ -40,6 +40,7 @@
 #               logs named after the args, so one call can run several; $SWEEP_TIMEOUT, default 560 s)
 #   attention   benchmarks/bench_attention.py (tables $ATTENTION_TABLES, default training,prefill,decode)
 #   host_attention benchmarks/host_attention.py (host time a call of the attention ops and their pieces)
+#   host_logp   benchmarks/host_logp.py $HOST_LOGP_ARGS (host and GPU time a decode step of the sampler's logprob path)
 #   sweep_attention benchmarks/sweep_attention.py (attention: tile, load schedule x stages; forwards bitwise-checked,
 #               backward tiles checked against the table's gradients; entries $SWEEP_ENTRIES, default decode,prefill;
 #               also prefill_linear, bwd_dkdv, bwd_dq: training's forward and backward on 4 x 4,096 packed tokens;
@@ -148,6 +149,8 @@ for stage in "$@"; do
                > "$OUT/sweep_attention.log" 2>&1; grep -E "BEST|DIFFER|failed|CONTRACT" "$OUT/sweep_attention.log" ;;
     host_attention) link_lockstep; timeout 200 python3 benchmarks/host_attention.py > "$OUT/host_attention.log" 2>&1
              tail -14 "$OUT/host_attention.log" ;;
+    host_logp) link_lockstep; timeout 200 python3 benchmarks/host_logp.py ${HOST_LOGP_ARGS:-} > "$OUT/host_logp.log" 2>&1
+             tail -14 "$OUT/host_logp.log" ;;
     attention) link_lockstep; timeout 330 python3 benchmarks/bench_attention.py --tables "${ATTENTION_TABLES:-training,prefill,decode}" \
                > "$OUT/attention.log" 2>&1; tail -40 "$OUT/attention.log" ;;
     sweep_logp) link_lockstep; timeout 300 python3 benchmarks/sweep_logp.py > "$OUT/sweep_logp.log" 2>&1; tail -12 "$OUT/sweep_logp.log" ;;

@@ -368,6 +368,45 @@ def test_empty_batch():
     assert out.logp.shape == (0,) and out.entropy.shape == (0,)
 
 
+def test_inference_calls_skip_the_custom_ops_with_their_bits(monkeypatch):
+    """An inference call (the sampler's replay: no input requires grad) runs the functions the custom
+    ops wrap, without their dispatch, and gets the ops' bits; a call that autograd records goes
+    through the ops (their registered backward). Control: the same blocked ops stop the recorded
+    call on each of the four routes."""
+    module = _triton_logp_module()
+    hidden, weight, targets = _inputs(5, 32, 200, torch.float32, real=190)
+    temperature = _temperature("per_row", 5)
+    _, _, ids = _support_case(5, 32, 200, 4, torch.float32)
+    ids[:, 0] = targets  # each row's target is in its support
+    kw = dict(temperature=temperature, real_vocab_size=190, with_entropy=True)
+    width = logp_module.chunk_width(200)
+
+    def replays(h, w, z):
+        return K.linear_logp(h, w, targets, logits=z, **kw), K.linear_logp(h, w, targets, support_ids=ids, **kw)
+
+    z_op = module.head_logits_op(hidden, weight, width)
+    recorded = replays(hidden.clone().requires_grad_(), weight.clone().requires_grad_(), z_op)
+    for name in ("_chunk_states_op", "_merge_op", "head_logits_op", "_support_logits_op"):
+        monkeypatch.setattr(module, name, _blocked(name))
+    z = K.lm_head_logits(hidden, weight)
+    assert torch.equal(z, z_op)
+    for got, want in zip(replays(hidden, weight, z), recorded):
+        assert torch.equal(got.logp, want.logp.detach()) and torch.equal(got.entropy, want.entropy.detach())
+    tz, m, s, _ = _merge_inputs(4, 8)
+    for name, call in (("_chunk_states_op", lambda h: K.linear_logp(h, weight, targets)),
+                       ("_merge_op", lambda h: logp_module.merge_states(tz, m, s.requires_grad_(), None)),
+                       ("head_logits_op", lambda h: K.lm_head_logits(h, weight)),
+                       ("_support_logits_op", lambda h: K.linear_logp(h, weight, targets, support_ids=ids))):
+        with pytest.raises(AssertionError, match=name):
+            call(hidden.clone().requires_grad_())
+
+
+def _blocked(name):
+    def op(*args):
+        raise AssertionError(f"{name} dispatched")
+    return op
+
+
 def test_custom_op_passes_opcheck():
     hidden, weight, targets = _inputs(3, 16, 16, torch.float32)
     args = (hidden.requires_grad_(), weight.requires_grad_(), targets, None, torch.full((3,), 0.9), 0, 1, 15, True)

@@ -29,7 +29,9 @@ Recomputing z costs one more GEMM than keeping it, but keeping it (bf16 [T, V]: 
 on Qwen3's vocab) would on its own exceed the memory budget (a tenth of the naive path's 8.4 GiB).
 
 Both directions are torch custom ops (lockstep::linear_logp_chunk_states[_backward]) with fake
-implementations, and the forward's autograd is registered on the op.
+implementations, and the forward's autograd is registered on the op. The ops run where a
+torch.compile trace or autograd needs them; an inference call outside a trace (vLLM's sampler, every
+decode step) calls the functions they wrap directly (`_call`).
 """
 from __future__ import annotations
 
@@ -982,22 +984,34 @@ def _row_temperatures(temperature, hidden: torch.Tensor) -> torch.Tensor | None:
 def chunk_states(hidden, weight, targets, *, vocab_start, width, real_vocab_size, bias, temperature,
                  with_entropy, logits=None) -> ChunkStates:
     """Triton version of lockstep.kernels.logp.torch_chunk_states (same signature and semantics)."""
-    m, s, w, target_z = _chunk_states_op(hidden, weight, targets, bias, _row_temperatures(temperature, hidden),
-                                         vocab_start, width, real_vocab_size, with_entropy, logits)
+    m, s, w, target_z = _call(_chunk_states_op, _forward, hidden, weight, targets, bias,
+                              _row_temperatures(temperature, hidden), vocab_start, width, real_vocab_size,
+                              with_entropy, logits)
     return ChunkStates(m, s, w if with_entropy else None, target_z)
 
 
 def support_logits(hidden, weight, ids):
     """Triton version of lockstep.kernels.logp.torch_support_logits (the same bits): the kernel above."""
-    return _support_logits_op(hidden, weight, ids)
+    return _call(_support_logits_op, _support_logits, hidden, weight, ids)
 
 
 def head_logits(hidden, weight, *, width):
     """Triton version of lockstep.kernels.logp.torch_head_logits."""
-    return head_logits_op(hidden, weight, width)
+    return _call(head_logits_op, _head_logits, hidden, weight, width)
 
 
 def merge_states(target_z, m, s, w) -> LinearLogpOutput:
     """Triton version of lockstep.kernels.logp.torch_merge_states (the same bits on a GPU)."""
-    logp, lse, entropy = _merge_op(target_z, m, s, w)
+    logp, lse, entropy = _call(_merge_op, _merge, target_z, m, s, w)
     return LinearLogpOutput(logp, lse, entropy if w is not None else None)
+
+
+def _call(op, fn, *args):
+    """op(*args) where the custom op is needed: inside a torch.compile trace (opaque to it) and where
+    autograd records the call (the op's registered backward); else fn(*args), the function the op
+    wraps: the same kernels and bits without the custom op's dispatch, host time that vLLM's sampler
+    pays on every decode step outside its CUDA graph (benchmarks/host_logp.py times both)."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+        return op(*args)
+    return fn(*args)
