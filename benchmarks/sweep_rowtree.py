@@ -50,7 +50,12 @@ SPLITS = [None, 1, 2, 4, 8]  # None: the launcher's choice; splits above the chu
 SWAPPED_GLUON_CONFIGS = [G(64, rows, 1, 4, stages, swap_ab=True, warp_specialize=True, gluon=True,
                            steps_per_stage=steps)
                          for rows, stages, steps in ((64, 6, 2), (64, 4, 2), (64, 8, 1), (128, 4, 2), (128, 3, 2),
-                                                     (128, 6, 1), (128, 8, 1))]
+                                                     (128, 6, 1), (128, 8, 1))] + [
+    # 128 rows of x (the 8B rollout's decode batch, M = 65-128) on the N side of 64 weight rows, not
+    # run yet: compiled for sm_90a (thirty-second session), the whole tree spills 136 bytes a
+    # thread, split 2 none; 144-192 KiB of ring
+    G(128, 64, 1, 4, stages, swap_ab=True, warp_specialize=True, gluon=True, steps_per_stage=steps)
+    for stages, steps in ((8, 1), (4, 2), (6, 1))]
 
 
 def _gluon(block_n: int, stages: int, in_flight: int = 1, group_m: int = 8, accumulators: int = 1,
