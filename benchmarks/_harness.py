@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +121,20 @@ def graph_ms_per_call(fn, calls: int = 10) -> float:
     ms = measure(graph.replay).ms / calls
     del graph
     return ms
+
+
+def host_us(fn, n: int = 100) -> float:
+    """Microseconds of host time per fn() call over n calls queued back to back (no device syncs
+    inside the timed loop): what a call costs the host, whatever its kernels cost the GPU."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return us
 
 
 def paired_graph_ms(baseline, ours, calls: int = 10, rounds: int = 5) -> tuple[float, float]:

@@ -10,31 +10,18 @@ that time goes. The host's speed moves them a lot between machines; compare rows
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from _harness import host_us  # noqa: E402
 import lockstep.kernels as K  # noqa: E402
 from lockstep.kernels._triton import attention as A  # noqa: E402
 from bench_attention import HEAD_DIM, HEADS, KV_HEADS, SCALE, paged_cache, _randn  # noqa: E402
 
 TOKENS = 4096
-
-
-def host_us(fn, n: int = 200) -> float:
-    """Microseconds of host time per fn() call over n calls queued back to back."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return us
 
 
 def main() -> None:

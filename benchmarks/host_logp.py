@@ -4,62 +4,27 @@ beside its GPU time, at the 8B rollout's shape (128 rows, H 4,096, Qwen3's 151,9
 
     python benchmarks/host_logp.py [--rows 128]
 
-A piece whose host time exceeds its GPU time leaves the GPU idle unless the host is ahead of it
-(vLLM's step waits on the sampled ids, so the host is not ahead here). The host's speed moves these
-numbers between machines; compare rows of one run.
+A piece whose host time exceeds its GPU time leaves the GPU idle wherever the host is not ahead of
+the GPU (in the 8B rollout it is: its decode graph's replay keeps the GPU busy while the host queues
+the sampler, benchmarks/RESULTS.md). The host's speed moves these numbers between machines; compare
+rows of one run.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from _harness import graph_ms_per_call, host_us  # noqa: E402
 import lockstep.kernels as K  # noqa: E402
 from lockstep.framework.models.ops import ALL_R, build_ops  # noqa: E402
 from lockstep.kernels import logp as L  # noqa: E402
 
 HIDDEN, VOCAB = 4096, 151936
-
-
-def host_us(fn, n: int = 100) -> float:
-    """Microseconds of host time per fn() call over n calls queued back to back."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return us
-
-
-def gpu_us(fn, n: int = 100) -> float:
-    """Microseconds of GPU time per call: n calls captured in one CUDA graph, replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (3 * n)
 
 
 def main() -> None:
@@ -116,7 +81,7 @@ def main() -> None:
     ]
     print(f"| {t} rows, {torch.cuda.get_device_name()} | host us a call | GPU us a call | host / GPU |\n|---|---|---|---|")
     for label, fn in rows:
-        h, g = host_us(fn), gpu_us(fn)
+        h, g = host_us(fn), graph_ms_per_call(fn, 100) * 1e3
         print(f"| {label} | {h:.0f} | {g:.0f} | {h / g:.2f} |", flush=True)
 
 
