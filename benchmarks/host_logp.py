@@ -60,7 +60,6 @@ def main() -> None:
         holds = ids == targets[:, None]
         lp.copy_(torch.where(holds, out[:, None], lp))
 
-    temps = temperature.contiguous()
     ops_ = torch.ops.lockstep
     rows = [
         ("LM-head logits: custom op lockstep::linear_logp_head_logits",
@@ -68,7 +67,7 @@ def main() -> None:
         ("LM-head logits: ops.logp.linear (lm_head_logits)", lambda: ops.logp.linear(hidden, weight)),
         ("compute_logits: logits, .float(), clone, pad mask", sampling_logits),
         ("chunk states from the logits: custom op", lambda: ops_.linear_logp_chunk_states(
-            hidden, weight, targets, None, temps, 0, width, VOCAB, False, logits)),
+            hidden, weight, targets, None, temperature, 0, width, VOCAB, False, logits)),
         ("chunk states from the logits: L.chunk_states", lambda: L.chunk_states(
             hidden, weight, targets, vocab_start=0, width=width, real_vocab_size=VOCAB, bias=None,
             temperature=temperature, with_entropy=False, logits=logits)),

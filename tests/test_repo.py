@@ -1,5 +1,8 @@
 """Repository promises that are easy to break silently."""
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from lockstep.framework.data.synthetic import TASKS, render, task_path
@@ -45,10 +48,6 @@ def test_every_benchmark_script_imports_without_a_gpu():
     """The benchmarks run only on the GPU host, where a session's device time is scarce: a script that
     fails at import there (a renamed helper, a syntax error) costs a call. Each imports here, in a fresh
     interpreter with benchmarks/ on its path as when run as a script; none touches CUDA at import."""
-    import os
-    import subprocess
-    import sys
-
     scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
     assert "bench_attention" in scripts and "sweep_attention" in scripts
     code = ("import importlib, sys, traceback\nfailed = []\nfor name in sys.argv[1:]:\n    try:\n"
@@ -66,10 +65,6 @@ def test_the_kernels_tests_collect_without_the_framework_extras():
     megatron-core), so conftest.py's imports and those files' must not need them. In a fresh
     interpreter where importing ray, hydra, omegaconf, megatron or vllm fails, pytest collects them;
     the control shows the block fires (the native rollout engine imports ray)."""
-    import os
-    import subprocess
-    import sys
-
     block = ("import sys\nclass _Block:\n    def find_spec(self, name, path=None, target=None):\n"
              "        if name.split('.')[0] in ('ray', 'hydra', 'omegaconf', 'megatron', 'vllm'):\n"
              "            raise ImportError('blocked ' + name)\nsys.meta_path.insert(0, _Block())\n")
