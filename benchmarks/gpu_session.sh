@@ -58,8 +58,8 @@
 #               small batch's step waits; default batch 1 and 16 at 1k / 4k / 16k keys)
 #   probe_prefill benchmarks/probe_prefill.py $PROBE_ARGS (the Gluon forward with its softmax, row sums or rescale
 #               left out, and without chunk merges, each timed against the whole: where prefill's time goes)
-#   sweep_gemm_column benchmarks/sweep_gemm.py --column (tiles up to 256 rows, swapped ones too, on qkv and gate_up;
-#               bits checked against the table's kernel)
+#   sweep_gemm_column benchmarks/sweep_gemm.py --column $COLUMN_ARGS (tiles up to 256 rows, swapped ones too, on qkv and
+#               gate_up; bits checked against the table's kernel; COLUMN_ARGS="--block-m 128": the 128-row tiles alone)
 #   sweep_gemm_large benchmarks/sweep_gemm.py --large (warp-specialised tiles vs the table at M = 256 .. 4096 on
 #               qkv and gate_up; bits checked against the table's kernel)
 #   sweep_gemm_m benchmarks/sweep_gemm.py --m $GEMM_M (default 128: the decode batch), each shape on its own
@@ -158,7 +158,7 @@ for stage in "$@"; do
              for i in ${SWEEP_EACH:-1 2}; do SWEEP_CANDIDATES=0,$i timeout ${SWEEP_EACH_TIMEOUT:-90} python3 benchmarks/sweep_logp.py \
                >> "$OUT/sweep_logp_each.log" 2>&1 || echo "candidate $i: exit $?" >> "$OUT/sweep_logp_each.log"; done
              tail -30 "$OUT/sweep_logp_each.log" ;;
-    sweep_gemm_column) link_lockstep; timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_gemm.py --column \
+    sweep_gemm_column) link_lockstep; timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_gemm.py --column ${COLUMN_ARGS:-} \
                > "$OUT/sweep_gemm_column.log" 2>&1; tail -16 "$OUT/sweep_gemm_column.log" ;;
     sweep_gemm_large) link_lockstep; timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_gemm.py --large \
                > "$OUT/sweep_gemm_large.log" 2>&1; tail -40 "$OUT/sweep_gemm_large.log" ;;

@@ -151,15 +151,18 @@ def large() -> None:
 
 
 def per_shape(m: int) -> None:
-    """Every bucket's candidates at one M, shape by shape (a table keyed by M alone takes one config
-    for all of them: this says what that costs each shape)."""
-    candidates = list(dict.fromkeys(c for _, cands in BUCKETS.values() for c in cands))
+    """Every bucket's candidates at one M (and the swapped column tiles that hold its rows in one x
+    tile), shape by shape (a table keyed by M alone takes one config for all of them: this says
+    what that costs each shape)."""
+    candidates = list(dict.fromkeys([*(c for _, cands in BUCKETS.values() for c in cands),
+                                     *(c for c in COLUMN_DECODE if c.block_m >= m)]))
     for shape in [*QWEN3_8B_PROJECTIONS, ("lm_head", 4096, 151936)]:
         current = mc.config_for(m, torch.bfloat16, shape[2])
         scored = [(ratio(cfg, [m], [shape]), cfg) for cfg in candidates]
         now = next(r for r, cfg in scored if cfg == current) if current in candidates else ratio(current, [m], [shape])
-        r, best = max(scored, key=lambda t: t[0])
-        print(f"M={m} {shape[0]}: current {now:.3f}x cuBLAS {current}; best {r:.3f}x {best}", flush=True)
+        top = sorted(scored, key=lambda t: -t[0])[:3]
+        print(f"M={m} {shape[0]}: current {now:.3f}x cuBLAS {current}; best "
+              + "; ".join(f"{r:.3f}x {cfg}" for r, cfg in top), flush=True)
 
 
 def main() -> None:

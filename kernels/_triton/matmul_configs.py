@@ -110,6 +110,11 @@ MAX_WARP_SPECIALIZED_STAGES = 4
 
 BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 
+# 128 rows of x (a decode batch of 65-128) on the N side of 64 weight rows, in Gluon (swap_ws.py), 8
+# slots of one K step: the 65-128-row bucket of `linear` and of the row-parallel tree (readings there)
+SWAPPED_128_ROWS = GemmConfig(block_m=128, block_n=64, group_m=1, num_warps=4, num_stages=8, swap_ab=True,
+                              warp_specialize=True, gluon=True)
+
 # (largest M of the bucket, config), ascending; the last bucket (None) takes every larger M.
 CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     # Decode and small batches: the weight read dominates and there is no split-K to add
@@ -129,11 +134,13 @@ CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     # 6 * 2 * (64 + 64) * 64 * 2 B = 192 KiB at M = 64.
     (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=6, swap_ab=True, warp_specialize=True,
                     gluon=True, steps_per_stage=2)),
-    # 65-128 rows (the 8B rollout's decode batch) at N < 16,384 (qkv): swapped, all 128 rows of x as
-    # the N side of 64-weight-row programs: 0.795x cuBLAS on qkv at M = 128 against 0.672x for the
-    # bucket below (H200, sweep_gemm.py --column, bits checked against the unswapped kernel at M = 100
-    # and 128). gate/up's width keeps its 128x256 tiles (WIDTH_CONFIGS_16BIT: 0.864x vs 0.816x).
-    (128, GemmConfig(block_m=128, block_n=64, group_m=1, num_warps=4, num_stages=6, swap_ab=True)),
+    # 65-128 rows (the 8B rollout's decode batch) at N < 16,384 (qkv): SWAPPED_128_ROWS (24 KiB a K
+    # step). On qkv at M = 128: 0.867 / 0.868x cuBLAS against 0.808 / 0.810 for the same tile in the
+    # tl kernel, 6 stages (H200, eighteenth session, two calls); 0.918 against 0.873 (H100,
+    # thirty-third session; 4 slots of 2 steps 0.922, 3 of 3 0.587); sweep_gemm.py --column
+    # --block-m 128, bits checked against the table's kernel first. The tl tile read 0.795 against
+    # 0.672 for the bucket below.
+    (128, SWAPPED_128_ROWS),
     # 129-256 rows (other widths: WIDTH_CONFIGS_16BIT): swapped, all 256 rows of x as one wgmma's N
     # side (n256): 0.767x cuBLAS on qkv at M = 256 against 0.530x for unswapped 64x128 tiles and
     # 0.668x for warp-specialised 128x128 ones (H200, sweep_gemm.py --column and --large, bits
@@ -235,7 +242,13 @@ CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=6, swap_ab=True, warp_specialize=True,
                     gluon=True, steps_per_stage=2)),
-    (128, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
+    # 65-128 rows (the 8B rollout's decode batch): SWAPPED_128_ROWS, swap_ws.py's subtrees, one
+    # program a tile (64 at o_proj's and down's N: splitk.half_wave_split). Thirty-third session (H100, sweep_rowtree.py --swapped-only --ms 128,
+    # bits checked against the table's kernel first): o_proj / down at M = 128 0.978 / 0.863x cuBLAS
+    # against 0.682 / 0.801 for the tl kernel's 64x128 tiles that held the bucket; 4 slots of 2
+    # steps 0.879 / 0.799, 6 of 1 0.892 / 0.748; two programs a tile 0.886 / 0.851. The whole tree
+    # spills 136 bytes a thread (compiled for sm_90a), two programs a tile none.
+    (128, SWAPPED_128_ROWS),
     (256, GemmConfig(block_m=128, block_n=64, group_m=8, num_warps=4, num_stages=8, warp_specialize=True, gluon=True,
                      accumulators=2)),
     # Nineteenth session: above 256 rows the tiles leave by TMA store (4 stages beside the tile

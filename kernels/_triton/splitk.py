@@ -208,8 +208,11 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
     if cfg.gluon and cfg.swap_ab and (INTERPRETING or not swap_ws_fits(chunk, cfg, x.dtype)):
         cfg = tl_tile(cfg)  # the decode bucket's tile in the tl kernel: the same sums at every split
     if cfg.gluon and cfg.swap_ab:  # the decode bucket: swap_ws.py's subtrees, split to fill half the SMs
-        tiles = triton.cdiv(m, tile_rows(m, cfg)) * triton.cdiv(n, cfg.block_n)
-        split = _split(split or half_wave_split(tiles, chunks, x.device), chunks)
+        rows = tile_rows(m, cfg)
+        tiles = triton.cdiv(m, rows) * triton.cdiv(n, cfg.block_n)
+        # at most two programs a tile of more than 64 rows of x: the last program's join of 4 or 8
+        # subtree roots spills 528-2,440 bytes a thread there (compiled for sm_90a; split 1 136, 2 none)
+        split = _split(split or half_wave_split(tiles, chunks if rows <= 64 else min(chunks, 2), x.device), chunks)
         ws, tickets = _workspace(split, m, n, tiles, x.device)
         gemm_swap_ws(x_op, w_op, out, cfg, chunks=chunks, chunk=chunk, padded=padded, split=split, ws=ws,
                      tickets=tickets)
