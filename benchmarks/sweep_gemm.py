@@ -159,6 +159,8 @@ def per_shape(m: int) -> None:
     for shape in [*QWEN3_8B_PROJECTIONS, ("lm_head", 4096, 151936)]:
         current = mc.config_for(m, torch.bfloat16, shape[2])
         scored = [(ratio(cfg, [m], [shape]), cfg) for cfg in candidates]
+        for r, cfg in scored:  # every reading in the log; the summary lines below are the tail
+            print(f"  M={m} {shape[0]} {r:.3f}x {cfg}", flush=True)
         now = next(r for r, cfg in scored if cfg == current) if current in candidates else ratio(current, [m], [shape])
         top = sorted(scored, key=lambda t: -t[0])[:3]
         print(f"M={m} {shape[0]}: current {now:.3f}x cuBLAS {current}; best "
