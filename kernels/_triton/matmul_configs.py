@@ -138,8 +138,9 @@ CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     # step). On qkv at M = 128: 0.867 / 0.868x cuBLAS against 0.808 / 0.810 for the same tile in the
     # tl kernel, 6 stages (H200, eighteenth session, two calls); 0.918 against 0.873 (H100,
     # thirty-third session; 4 slots of 2 steps 0.922, 3 of 3 0.587); sweep_gemm.py --column
-    # --block-m 128, bits checked against the table's kernel first. The tl tile read 0.795 against
-    # 0.672 for the bucket below.
+    # --block-m 128, bits checked against the table's kernel first; at M = 80 0.762 against 0.648
+    # (H100, sweep_gemm.py --m 80). The tl form of the tile had read 0.795 against 0.672 for the
+    # 64-row bucket's tile (H200).
     (128, SWAPPED_128_ROWS),
     # 129-256 rows (other widths: WIDTH_CONFIGS_16BIT): swapped, all 256 rows of x as one wgmma's N
     # side (n256): 0.767x cuBLAS on qkv at M = 256 against 0.530x for unswapped 64x128 tiles and
@@ -243,11 +244,12 @@ ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=6, swap_ab=True, warp_specialize=True,
                     gluon=True, steps_per_stage=2)),
     # 65-128 rows (the 8B rollout's decode batch): SWAPPED_128_ROWS, swap_ws.py's subtrees, one
-    # program a tile (64 at o_proj's and down's N: splitk.half_wave_split). Thirty-third session (H100, sweep_rowtree.py --swapped-only --ms 128,
-    # bits checked against the table's kernel first): o_proj / down at M = 128 0.978 / 0.863x cuBLAS
-    # against 0.682 / 0.801 for the tl kernel's 64x128 tiles that held the bucket; 4 slots of 2
-    # steps 0.879 / 0.799, 6 of 1 0.892 / 0.748; two programs a tile 0.886 / 0.851. The whole tree
-    # spills 136 bytes a thread (compiled for sm_90a), two programs a tile none.
+    # program a tile (64 at o_proj's and down's N: splitk.half_wave_split). Thirty-third session
+    # (H100, sweep_rowtree.py --swapped-only --ms 128, bits checked against the table's kernel
+    # first): o_proj / down at M = 128 0.978 / 0.863x cuBLAS against 0.682 / 0.801 for the tl
+    # kernel's 64x128 tiles that held the bucket; 4 slots of 2 steps 0.879 / 0.799, 6 of 1
+    # 0.892 / 0.748; two programs a tile 0.886 / 0.851. The whole tree spills 136 bytes a thread
+    # (compiled for sm_90a), two programs a tile none (row_tree splits it into at most two).
     (128, SWAPPED_128_ROWS),
     (256, GemmConfig(block_m=128, block_n=64, group_m=8, num_warps=4, num_stages=8, warp_specialize=True, gluon=True,
                      accumulators=2)),
