@@ -139,8 +139,7 @@ CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     # tl kernel, 6 stages (H200, eighteenth session, two calls); 0.918 against 0.873 (H100,
     # thirty-third session; 4 slots of 2 steps 0.922, 3 of 3 0.587); sweep_gemm.py --column
     # --block-m 128, bits checked against the table's kernel first; at M = 80 0.762 against 0.648
-    # (H100, sweep_gemm.py --m 80). The tl form of the tile had read 0.795 against 0.672 for the
-    # 64-row bucket's tile (H200).
+    # (H100, sweep_gemm.py --m 80).
     (128, SWAPPED_128_ROWS),
     # 129-256 rows (other widths: WIDTH_CONFIGS_16BIT): swapped, all 256 rows of x as one wgmma's N
     # side (n256): 0.767x cuBLAS on qkv at M = 256 against 0.530x for unswapped 64x128 tiles and
