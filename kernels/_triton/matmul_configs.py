@@ -111,7 +111,8 @@ MAX_WARP_SPECIALIZED_STAGES = 4
 BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 
 # 128 rows of x (a decode batch of 65-128) on the N side of 64 weight rows, in Gluon (swap_ws.py), 8
-# slots of one K step: the 65-128-row bucket of `linear` and of the row-parallel tree (readings there)
+# slots of one K step: the 65-128-row bucket of `linear`, the 97-128-row one of the row-parallel tree
+# (readings there)
 SWAPPED_128_ROWS = GemmConfig(block_m=128, block_n=64, group_m=1, num_warps=4, num_stages=8, swap_ab=True,
                               warp_specialize=True, gluon=True)
 
@@ -242,7 +243,13 @@ CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=6, swap_ab=True, warp_specialize=True,
                     gluon=True, steps_per_stage=2)),
-    # 65-128 rows (the 8B rollout's decode batch): SWAPPED_128_ROWS, swap_ws.py's subtrees, one
+    # 65-96 rows: the tl kernel's 64x128 tiles (two of x's row blocks), one program an SM. The
+    # swapped Gluon tile below slows as its 128 rows of x go part full: o_proj / down 22.6 / 59.3 us
+    # at M = 80 and 18.6 / 52.9 at 96 against 21.3 / 48.2 and 20.0 / 48.8 for these tiles, then
+    # 15.4 / 46.7 at 112 and 14.3 / 47.0 at 128 against 21.7 / 49.5 and 23.6 / 50.4 (H100,
+    # thirty-third session, one call: sweep_rowtree.py --ms 80,96,112,128).
+    (96, GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, programs_per_sm=1)),
+    # 97-128 rows (the 8B rollout's decode batch): SWAPPED_128_ROWS, swap_ws.py's subtrees, one
     # program a tile (64 at o_proj's and down's N: splitk.half_wave_split). Thirty-third session
     # (H100, sweep_rowtree.py --swapped-only --ms 128, bits checked against the table's kernel
     # first): o_proj / down at M = 128 0.978 / 0.863x cuBLAS against 0.682 / 0.801 for the tl
