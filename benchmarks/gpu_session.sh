@@ -58,6 +58,8 @@
 #               small batch's step waits; default batch 1 and 16 at 1k / 4k / 16k keys)
 #   probe_prefill benchmarks/probe_prefill.py $PROBE_ARGS (the Gluon forward with its softmax, row sums or rescale
 #               left out, and without chunk merges, each timed against the whole: where prefill's time goes)
+#   probe_partial benchmarks/probe_partial_tiles.py $PROBE_ARGS (each projection at M = 80-128 rows as is, and padded
+#               to the decode buckets' full 128-row tile with the copy timed in: whether part-full tiles cost)
 #   sweep_gemm_column benchmarks/sweep_gemm.py --column $COLUMN_ARGS (tiles up to 256 rows, swapped ones too, on qkv and
 #               gate_up; bits checked against the table's kernel; COLUMN_ARGS="--block-m 128": the 128-row tiles alone)
 #   sweep_gemm_large benchmarks/sweep_gemm.py --large (warp-specialised tiles vs the table at M = 256 .. 4096 on
@@ -172,6 +174,8 @@ for stage in "$@"; do
                > "$OUT/probe_limits.log" 2>&1; tail -30 "$OUT/probe_limits.log" ;;
     probe_decode) link_lockstep; timeout 300 python3 benchmarks/probe_decode.py ${PROBE_ARGS:-} \
                > "$OUT/probe_decode.log" 2>&1; tail -30 "$OUT/probe_decode.log" ;;
+    probe_partial) link_lockstep; timeout 200 python3 benchmarks/probe_partial_tiles.py "$OUT/probe_partial.md" ${PROBE_ARGS:-} \
+               > "$OUT/probe_partial.log" 2>&1; tail -24 "$OUT/probe_partial.log" ;;
     probe_prefill) link_lockstep; timeout 240 python3 benchmarks/probe_prefill.py ${PROBE_ARGS:-} \
                > "$OUT/probe_prefill.log" 2>&1; tail -20 "$OUT/probe_prefill.log" ;;
     logp)    link_lockstep; timeout 300 python3 benchmarks/bench_logp.py > "$OUT/logp.log" 2>&1; tail -30 "$OUT/logp.log" ;;
