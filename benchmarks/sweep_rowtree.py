@@ -51,9 +51,8 @@ SWAPPED_GLUON_CONFIGS = [G(64, rows, 1, 4, stages, swap_ab=True, warp_specialize
                            steps_per_stage=steps)
                          for rows, stages, steps in ((64, 6, 2), (64, 4, 2), (64, 8, 1), (128, 4, 2), (128, 3, 2),
                                                      (128, 6, 1), (128, 8, 1))] + [
-    # 128 rows of x (the 8B rollout's decode batch, M = 65-128) on the N side of 64 weight rows, not
-    # run yet: compiled for sm_90a (thirty-second session), the whole tree spills 136 bytes a
-    # thread, split 2 none; 144-192 KiB of ring
+    # 128 rows of x (the 8B rollout's decode batch) on the N side of 64 weight rows; 144-192 KiB of
+    # ring. The first (8 slots of 1 step) is the table's 97-128-row bucket (matmul_configs.py)
     G(128, 64, 1, 4, stages, swap_ab=True, warp_specialize=True, gluon=True, steps_per_stage=steps)
     for stages, steps in ((8, 1), (4, 2), (6, 1))]
 
