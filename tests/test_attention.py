@@ -160,7 +160,10 @@ def _serve_paged(q, k, v, cu, steps, page_size, gen, vllm_layout=False):
         k_cache = torch.full(shape, float("nan"), dtype=k.dtype, device=k.device)
         v_cache = torch.full(shape, float("nan"), dtype=v.dtype, device=v.device)
     order = torch.randperm(n_pages, generator=gen).tolist()
-    table = torch.zeros((len(lens), max(pages_of) + 2), dtype=torch.int32, device=q.device)
+    # a row's entries past its pages name a page nothing is written to (NaN; order.pop() leaves
+    # order[0]): kernels may load those entries (decode's first chunk's come before the sequence's
+    # length), never the keys they name
+    table = torch.full((len(lens), max(pages_of) + 2), order[0], dtype=torch.int32, device=q.device)
     for r, n in enumerate(pages_of):
         table[r, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
     out, done = torch.full_like(q, float("nan")), [0] * len(lens)
@@ -427,7 +430,7 @@ from lockstep.kernels._triton import attention as A
 from lockstep.kernels._triton.splitk_ws import gluon_layout
 
 INTS = {"stride_table", "page_size", "stride_page", "stride_head", "stride_slot", "n_heads", "min_queries", "n_chunks",
-        "n_seqs", "n_walks", "per_split"}
+        "n_seqs", "n_walks", "per_split", "table_width"}
 POINTEE = {"lse": "fp32", "tickets": "i32", "part_m": "fp32", "part_l": "fp32", "part_acc": "fp32", "q_begin": "i32",
            "q_count": "i32", "q_pos": "i32", "page_table": "i32"}
 types = lambda n: "fp32" if n == "qk_scale" else "i32" if n in INTS else "*" + POINTEE.get(n, "bf16")
