@@ -614,17 +614,22 @@ def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_ne
     m_t = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
     l_t = tl.zeros((MERGE_ROWS,), tl.float32)
     acc_t = tl.zeros((MERGE_ROWS, D), tl.float32)
-    # chunk order, _MERGE_AHEAD states a step: their loads (written by other programs: from L2, .cg)
-    # are independent of the merges, so they are all in flight before the first merge needs one;
-    # a state past the last is loaded masked and its merge's result not kept (a select: exact)
+    # chunk order, _MERGE_AHEAD states a step: their loads are independent of the merges, so they are
+    # all in flight before the first merge needs one; a state past the last is loaded masked and its
+    # merge's result not kept (a select: exact). Plain loads: the ticket's acquire orders them after
+    # the other programs' released stores (ptxas follows the acquiring atomic with an L1
+    # invalidation, CCTL.IVALL), so no L1 line they fill is stale. L2-only loads (.cg, ptxas'
+    # LDG.STRONG.GPU) took 1.04-1.05x their time at batch 1 x 4k-32k (the thirty-fourth session, H100,
+    # ab_decode.py, bits equal); in that session's probes the merge cost ~80 ns a state whether its
+    # loads or its arithmetic were taken out (benchmarks/RESULTS.md)
     for c_step in range(0, n_need, _MERGE_AHEAD):
         for i in tl.static_range(_MERGE_AHEAD):
             c = c_step + i
             at = first_g + c * GROUP
             here = c < n_need
-            acc_c = tl.load(part_acc + _tile_offsets(at, D, False), mask=here, other=0.0, cache_modifier=".cg")
-            m_c = tl.load(part_m + at, mask=here, other=0.0, cache_modifier=".cg")
-            l_c = tl.load(part_l + at, mask=here, other=0.0, cache_modifier=".cg")
+            acc_c = tl.load(part_acc + _tile_offsets(at, D, False), mask=here, other=0.0)
+            m_c = tl.load(part_m + at, mask=here, other=0.0)
+            l_c = tl.load(part_l + at, mask=here, other=0.0)
             m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_c, l_c, acc_c, False)
             m_t, l_t, acc_t = tl.where(here, m_n, m_t), tl.where(here, l_n, l_t), tl.where(here, acc_n, acc_t)
     _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False)
