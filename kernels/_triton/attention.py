@@ -666,13 +666,14 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
         p = tl.where(walking, 0, split_pid % per_split)
         seq, kv_head = pair // n_kv, pair % n_kv
         # a split program's first chunk's page entries, issued beside the bounds' loads below rather
-        # than after them: its K/V loads then wait one memory round trip less (a walk loads none).
+        # than after them: its K/V loads then wait one memory round trip less (a walk loads none; the
+        # bound in int64: a table of several 2^30-key pages would overflow int32).
         # The thirty-fourth session (H100, ab_decode.py, CUDA graphs, bits equal): batch 1 at 1k /
         # 4k / 16k keys 1.039 / 1.033 / 1.010x; batches 4-64 (several chunks a program) 1.000-1.002x
         first_pages = None
         if PAGE_SHIFT >= 0:
-            first_pages = _chunk_pages(page_table + seq * stride_table, p * KV_CHUNK,
-                                       tl.where(walking, -1, (table_width << PAGE_SHIFT) - 1), KV_CHUNK, PAGE_SHIFT)
+            last_key = tl.where(walking, -1, (table_width.to(tl.int64) << PAGE_SHIFT) - 1)
+            first_pages = _chunk_pages(page_table + seq * stride_table, p * KV_CHUNK, last_key, KV_CHUNK, PAGE_SHIFT)
     else:  # a grid of walks only: (1, kv heads, sequences)
         p, kv_head, seq, first_pages = 0, tl.program_id(1), tl.program_id(2), None
     begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
