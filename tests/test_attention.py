@@ -362,6 +362,41 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
             assert grids[-1] == (0, 4, triton_backend.TUNING["decode"]["SPLIT_STAGES"], flat), grids[-1]
 
 
+def test_decode_walked_half_keeps_the_bits(triton_backend, monkeypatch):
+    """A pair split two ways (WALK_HALF): program 0 walks the first half of its chunks, merging them
+    in registers, and the merge starts from that state. Every decoded row keeps training's bits, and
+    the interleaved split's, at odd and even chunk counts (1-5 chunks: 1,030 keys; program 1's one
+    chunk in a loop a chunk, its several in one loop over their blocks), on the deeper split ring
+    (FLAT_STAGES); the table's ring (where a walk beside the splits would take the registers of a third
+    program an SM) splits as before."""
+    A = triton_backend
+    lens = [300, 150, 1030, 520]  # 4 single-query sequences at one kv head: 2, 1, 5 and 3 chunks
+    q, k, v, cu = _packed(lens, 4, 1, 16, device=TRITON_DEVICE)
+    train = K.varlen_attention(q, k, v, cu)
+    last = cu[1:] - 1
+    k_b, v_b = _padded(k, cu, max(lens)), _padded(v, cu, max(lens))
+    pos = (torch.tensor(lens, device=TRITON_DEVICE) - 1)[:, None]
+    grids = _recorded_decode_grids(A, monkeypatch)
+    halves, kernel = [], A._decode_chunk_kernel
+
+    class Spy:  # the WALK_HALF each launch compiles for
+        def __getitem__(self, grid):
+            return lambda *args, **kw: halves.append(kw["WALK_HALF"]) or kernel[grid](*args, **kw)
+
+    monkeypatch.setattr(A, "_decode_chunk_kernel", Spy())
+    outs = {}
+    # (4 pairs on the interpreter's 4 "SMs": 2 programs a pair either way)
+    for walk_half in (False, True):
+        for split_per_sm, flat in ((2, 5), (2, 4), (2, 0), (0, 0)):
+            monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "PROGRAMS_PER_SM": 2,
+                                                     "SPLIT_PER_SM": split_per_sm, "FLAT_STAGES": flat,
+                                                     "WALK_HALF": walk_half})
+            outs[walk_half, split_per_sm, flat] = K.causal_attention(q[last][:, None], k_b, v_b, pos)[:, 0]
+            assert grids[-1][:2] == (0, 2) and halves[-1] == (walk_half and split_per_sm and flat > 0), (grids, halves)
+    for key, got in outs.items():
+        assert torch.equal(got, train[last]), key
+
+
 def test_decode_grid_splits_its_last_waves_pairs_with_the_walks_bits(triton_backend, monkeypatch):
     """More (sequence, kv head) pairs than a wave's slots: the pairs of the last, part-full wave split
     across programs (SPLIT_TAIL) in the walks' launch, and every decoded row keeps the bits of the
@@ -475,20 +510,29 @@ dq_gluon, dq_gluon_q_regs = (compile_sm90(A._bwd_dq_ws_kernel, lambda n: "i32" i
 cfg = A.TUNING["decode"]
 # (grids of splits only, of walks only (" in registers"; " deep": on the walk's ring) and of both)
 kinds = {"": (False, True), " in registers": (True, False), " mixed": (True, True)}
-split = dict(FLAT_STAGES=0)  # (a program's several chunks in one loop: the deeper split ring's alone)
+# (a program's several chunks in one loop, and a pair's walked half: the deeper split ring's alone)
+split = dict(FLAT_STAGES=0)
 decode = {f"{'swapped' if swap else 'padded'}{kind}{' deep' if deep else ''}":
           compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=16 if swap else cfg["MIN_ROWS"], MERGE_ROWS=4,
                        WALKS=kinds[kind][0], SPLITS=kinds[kind][1], FROM_LENS=True, PREFETCH=cfg["PREFETCH"],
-                       SWAP=swap, PAGE_SHIFT=A.decode_page_shift(16), **common, **split), cfg["num_warps"],
+                       SWAP=swap, PAGE_SHIFT=A.decode_page_shift(16), WALK_HALF=False, **common, **split),
+                       cfg["num_warps"],
                        cfg["WALK_STAGES" if deep else "num_stages"])
           for swap in (True, False) for kind in kinds
           for deep in ((False, True) if swap and kind == " in registers" else (False,))}
-# a grid of splits alone on its deeper ring
-decode["swapped split deep"] = compile_sm90(
+# a grid of splits alone on its deeper ring (" halves": of pairs split two ways, the first half walked)
+for name, halves in (("swapped split deep", False), ("swapped split deep halves", cfg["WALK_HALF"])):
+    decode[name] = compile_sm90(
+        A._decode_chunk_kernel, types, dict(ROWS=16, MERGE_ROWS=4, WALKS=False, SPLITS=True, FROM_LENS=True,
+                                            PREFETCH=cfg["PREFETCH"], SWAP=True, PAGE_SHIFT=A.decode_page_shift(16),
+                                            FLAT_STAGES=cfg["FLAT_STAGES"], WALK_HALF=halves, **common),
+        cfg["num_warps"], cfg["SPLIT_STAGES"])
+# ... over a linear K/V: a page table one entry wide, which the launch specialises as the constant 1
+decode["swapped split deep, one page a row"] = compile_sm90(
     A._decode_chunk_kernel, types, dict(ROWS=16, MERGE_ROWS=4, WALKS=False, SPLITS=True, FROM_LENS=True,
-                                        PREFETCH=cfg["PREFETCH"], SWAP=True, PAGE_SHIFT=A.decode_page_shift(16),
-                                        FLAT_STAGES=cfg["FLAT_STAGES"], **common), cfg["num_warps"],
-    cfg["SPLIT_STAGES"])
+                                        PREFETCH=cfg["PREFETCH"], SWAP=True, PAGE_SHIFT=A.decode_page_shift(1 << 30),
+                                        FLAT_STAGES=cfg["FLAT_STAGES"], WALK_HALF=False, table_width=1,
+                                        **common), cfg["num_warps"], cfg["SPLIT_STAGES"])
 print(json.dumps([prefill, linear, gluon, gluon_q_regs, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, dq_gluon_q_regs,
                   decode]))
 """
@@ -530,10 +574,11 @@ def test_decode_and_prefill_multiply_with_wgmma():
     # ... and with q and dO in registers (GLUON_Q_REGS: the A operands of its q.k and dO.v wgmmas)
     assert dq_gluon_q_regs["mma"] == dq["mma"] and dq_gluon_q_regs["spill_bytes"] == 0, dq_gluon_q_regs
     # no swapped decode kernel (the table's) spills; the padded ones hold 64-row tiles at the 255-register
-    # limit, and the padded mixed grid (both paths in one kernel) spills 12 bytes (probed)
+    # limit, and the padded grids that hold a walk beside splits (the mixed one; the split one's walked
+    # half, WALK_HALF) spill 24-28 bytes (probed)
     for name, d in decode.items():
         assert {version for version, _ in d["mma"]} == {"3"}, f"decode ({name}) MMAs {d['mma']}"
-        assert d["spill_bytes"] <= (0 if name.startswith("swapped") else 16), (name, d)
+        assert d["spill_bytes"] <= (0 if name.startswith("swapped") else 32), (name, d)
     for name in ("padded", "padded in registers"):
         assert decode[name]["mma"] == prefill["mma"], f"prefill MMAs {prefill['mma']} != decode ({name}) {decode[name]['mma']}"
     # the programs an SM that the decode grid and the walk's ring rule count on are what fits, in
@@ -541,7 +586,7 @@ def test_decode_and_prefill_multiply_with_wgmma():
     cfg, per_block = A.TUNING["decode"], 227 * 1024
     for name, per_sm in (("swapped", "PROGRAMS_PER_SM"), ("swapped in registers", "PROGRAMS_PER_SM"),
                          ("swapped in registers deep", "WALK_PER_SM"), ("swapped mixed", "PROGRAMS_PER_SM"),
-                         ("swapped split deep", "SPLIT_PER_SM")):
+                         ("swapped split deep", "SPLIT_PER_SM"), ("swapped split deep halves", "SPLIT_PER_SM")):
         assert decode[name]["mma"] == [["3", "[16, 16, 16]"]], (name, decode[name])
         assert decode[name]["regs"] * 32 * cfg["num_warps"] * cfg[per_sm] <= 65536, (name, decode[name])
     assert per_block // decode["swapped"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode["swapped"]
@@ -549,6 +594,7 @@ def test_decode_and_prefill_multiply_with_wgmma():
     assert per_block // decode["swapped mixed"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode
     assert per_block // decode["swapped in registers deep"]["shared_bytes"] == cfg["WALK_PER_SM"], decode
     assert per_block // decode["swapped split deep"]["shared_bytes"] == cfg["SPLIT_PER_SM"], decode
+    assert per_block // decode["swapped split deep halves"]["shared_bytes"] == cfg["SPLIT_PER_SM"], decode
     # the prefill tile holds the next block's K/V in registers (TUNING["prefill"]["PREFETCH"]): the
     # measured winner spills 8 bytes on packed sequences and 68 on the paged layout (probed here);
     # more would mean the table no longer fits the tile
@@ -764,10 +810,10 @@ def test_gpu_paged_prefill_takes_the_gluon_forward_with_the_training_bits(gpu_tr
 @pytest.mark.gpu
 @pytest.mark.parametrize("swap", [True, False], ids=["swapped", "padded"])
 @pytest.mark.parametrize("per_sm,walk_stages,split_per_sm,flat_stages",
-                         [(16, None, 16, None), (16, None, 16, 0), (16, None, 0, None), (0, None, None, None),
-                          (0, 2, None, None), (None, None, None, None)],
-                         ids=["split", "split-a-loop-a-chunk", "split-2-stages", "one-program", "one-program-2-stages",
-                              "walks-and-split-tail"])
+                         [(16, None, 16, None), (16, None, 16, 0), (16, None, 0, None), (16, None, "halves", None),
+                          (0, None, None, None), (0, 2, None, None), (None, None, None, None)],
+                         ids=["split", "split-a-loop-a-chunk", "split-2-stages", "split-halves", "one-program",
+                              "one-program-2-stages", "walks-and-split-tail"])
 def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, per_sm, walk_stages, split_per_sm,
                                                  flat_stages):
     """Decode tiles at Qwen3-8B heads (bf16, head_dim 128, group 4), with the dots' operands swapped
@@ -776,13 +822,14 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
     table's WALK_STAGES deep, as the ~50 x 8 walks here take it, or 2), or both in one grid (a wave's
     slots fewer than the pairs: the last wave's pairs split): each decoded token's output equals its
     training output, bit for bit, at positions across blocks and chunks. A grid of splits alone runs
-    on the SPLIT_STAGES ring, or (SPLIT_PER_SM 0) on the table's."""
+    on the SPLIT_STAGES ring, or (SPLIT_PER_SM 0) on the table's; "halves": as many an SM as split
+    each pair two ways on the SPLIT_STAGES ring, its first half walked by one program (WALK_HALF)."""
     from lockstep.kernels._triton import attention as A
 
     cfg = {**A.TUNING["decode"], "SWAP": swap, "PROGRAMS_PER_SM": per_sm}
     if walk_stages is not None:
         cfg["WALK_STAGES"] = walk_stages
-    if split_per_sm is not None:
+    if split_per_sm is not None and split_per_sm != "halves":
         cfg["SPLIT_PER_SM"] = split_per_sm
     if flat_stages is not None:
         cfg["FLAT_STAGES"] = flat_stages
@@ -804,6 +851,8 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
     sms, pairs = torch.cuda.get_device_properties(0).multi_processor_count, len(picks) * 8
     if per_sm is None:
         cfg.update(PROGRAMS_PER_SM=pairs // sms, WALK_PER_SM=1, SPLIT_TAIL=True)
+    if split_per_sm == "halves":
+        cfg.update(SPLIT_PER_SM=-(-2 * pairs // sms), WALK_HALF=True)
     monkeypatch.setitem(A.TUNING, "decode", cfg)
     assert A.decode_swapped(128) == swap
     walks, per_split, stages, flat = A._decode_grid(pairs, 12, sms, cfg)  # 3,000 keys: 12 chunks
@@ -811,6 +860,7 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
         assert 0 < walks < pairs and per_split > 1 and not flat, (walks, per_split, pairs, flat)
     elif per_sm:
         assert walks == 0 and 1 < per_split < 12, (walks, per_split)  # the longest: programs of several chunks
+        assert (per_split == 2) == (split_per_sm == "halves"), per_split
         assert stages == cfg["SPLIT_STAGES" if split_per_sm else "num_stages"], stages
         assert flat == (cfg["FLAT_STAGES"] if split_per_sm else 0), flat
     else:

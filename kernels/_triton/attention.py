@@ -175,8 +175,15 @@ TUNING = {
     # session (H200, CUDA graphs, bits equal, A/B against a loop a chunk): batch 1 x 16k 1.08x, 4 / 8
     # x 4k 1.05 / 1.07x, 16 x 1k / 4k / 16k 1.05 / 1.03 / 1.01x; 4 stages (the page load takes one:
     # a ring of 2 K/V blocks) 0.94-1.00x, 6 as 5 (111 KB a program either way: 2 an SM)
+    # WALK_HALF: where that ring's grid splits each pair two ways (batches of 9-16 at 8 kv heads on
+    # 132 SMs), program 0 walks the first half of the pair's chunks, merging them in registers, and
+    # program 1 stores the other half's states (_decode_chunk_kernel): half the states through memory.
+    # The thirty-fifth session (H100, ab_decode.py, CUDA graphs, bits equal, against the split two
+    # ways): batch 16 at 1k / 4k / 16k / 32k keys 0.99 / 1.016 / 1.017 / 1.020x; the walk given 7/16,
+    # 3/8 or 5/8 of the chunks instead of half: 0.98-0.99, 0.94-0.99, 0.95-0.99x
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
-                   WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2, FLAT_STAGES=5),
+                   WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2, FLAT_STAGES=5,
+                   WALK_HALF=True),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
@@ -460,7 +467,7 @@ def _merge(m, l, acc, m_c, l_c, acc_c, SWAP: tl.constexpr):
 def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale, k_desc, v_desc,
                desc_row, desc_col, ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr,
                KV_CHUNK: tl.constexpr, PREFETCH: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
-               PAGE_SHIFT: tl.constexpr = -1):
+               PAGE_SHIFT: tl.constexpr = -1, STAGES: tl.constexpr = None):
     """State of rows `q` (positions `pos`, largest `hi`) over all their keys, merged chunk by chunk:
     _chunk_state's folds and _merge's chunk merges in one software-pipelined loop over the blocks (a
     loop per chunk would restart the pipeline at every chunk). The chunk state folds blocks in
@@ -472,7 +479,9 @@ def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, 
     its head at column desc_col): every block before the last, whose keys all lie at or before
     `hi`, comes whole through a TMA descriptor (the pipeliner's asynchronous copies into shared
     memory, where the MMA reads it); the last block as without TMA, its keys past `hi` masked to
-    zeros. Every block's K/V hold the same values either way."""
+    zeros. Every block's K/V hold the same values either way.
+    STAGES (speed only; neither TMA nor PREFETCH): the block loop's ring (tl.range's num_stages: its
+    page-entry loads pipelined too); None: the kernel's num_stages."""
     m, _, acc = _empty_state(ROWS, D, SWAP)
     l = tl.zeros((ROWS,), tl.float32)  # the running state's row sums: a vector (a chunk's are its dot's tile)
     m_c, l_c, acc_c = _empty_state(ROWS, D, SWAP)
@@ -493,7 +502,7 @@ def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, 
     if PREFETCH:
         kb_n, vb_n, key_n = _block_kv(k, v, page_row, 0, hi, page_size, stride_page, stride_slot, KV_BLOCK, D,
                                       PAGE_SHIFT)
-    for blk in range(0, last + 1):
+    for blk in tl.range(0, last + 1, num_stages=STAGES):
         if PREFETCH:  # this block's K/V were loaded into registers during the last block; the next's now
             kb, vb, key_pos = kb_n, vb_n, key_n
             kb_n, vb_n, key_n = _block_kv(k, v, page_row, blk + 1, hi, page_size, stride_page, stride_slot,
@@ -584,8 +593,9 @@ def _split_states(q, pos, hi, p, per_split, mine, k, v, page_row, page_size, str
                   part_m, part_l, part_acc, first, keep, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr,
                   STAGES: tl.constexpr):
-    """Split program p's `mine` chunks (p, p + per_split, ...) in one pipelined loop over their blocks,
-    each chunk's state folded from empty and stored at its last block (or the last that holds keys):
+    """A split program's `mine` chunks p, p + per_split, ... (a walked half's second program: the
+    consecutive chunks from p, per_split 1) in one pipelined loop over their blocks, each chunk's
+    state folded from empty and stored at its last block (or the last that holds keys):
     _chunk_state's operations in its order, without a pipeline restart at every chunk."""
     BLOCKS: tl.constexpr = KV_CHUNK // KV_BLOCK
     last = p + (mine - 1) * per_split  # only the sequence's last chunk can end before its last block
@@ -603,11 +613,13 @@ def _split_states(q, pos, hi, p, per_split, mine, k, v, page_row, page_size, str
 
 
 @triton.jit
-def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
+def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, c0, begin, kv_head, n_heads,
                         GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr):
-    """The n_need chunk states of split pair `tail` merged in chunk order and its rows stored (by the
-    last of the pair's programs). The merge is elementwise per row: only the group's real rows (a
-    power of two >= GROUP)."""
+    """Split pair `tail`'s chunk states c0 .. n_need - 1 merged in chunk order into an empty state and
+    its rows stored (by the last of the pair's programs); state c0 may be the merged state of chunks
+    0 .. c0 (a walked half): merged into the empty state, a state comes out as it went in (its factor
+    is exp2(0) = 1, the empty state's exp2(-inf) = 0), so either way this is the chain of merges from
+    chunk 0. The merge is elementwise per row: only the group's real rows (a power of two >= GROUP)."""
     g = tl.arange(0, MERGE_ROWS)
     tok_g, head_g = _rows(g, begin, 1, kv_head, GROUP)
     first_g = (tail * n_chunks).to(tl.int64) * GROUP + g % GROUP
@@ -622,7 +634,7 @@ def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_ne
     # LDG.STRONG.GPU) took 1.04-1.05x their time at batch 1 x 4k-32k (the thirty-fourth session, H100,
     # ab_decode.py, bits equal); in that session's probes the merge cost ~80 ns a state whether its
     # loads or its arithmetic were taken out (benchmarks/RESULTS.md)
-    for c_step in range(0, n_need, _MERGE_AHEAD):
+    for c_step in range(c0, n_need, _MERGE_AHEAD):
         for i in tl.static_range(_MERGE_AHEAD):
             c = c_step + i
             at = first_g + c * GROUP
@@ -642,14 +654,15 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          MERGE_ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                          WALKS: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
                          FROM_LENS: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr,
-                         FLAT_STAGES: tl.constexpr):
+                         FLAT_STAGES: tl.constexpr, WALK_HALF: tl.constexpr):
     """Single-query sequences, each (sequence, kv head) pair's rows the group's query heads. A grid
     with splits is 1-D: programs 0 .. n_walks - 1 walk pairs 0 .. n_walks - 1 whole, and each later
     pair is split across per_split programs (P); a grid of walks only is (1, kv heads, sequences). A
     walk runs as a prefill tile does (_row_state: its chunk states merged in registers, the same
     operations in the same order). Split program p of a pair stores the states of chunks p, p + P,
-    p + 2P, ...; the last of the pair's programs to finish merges every chunk's state in chunk order
-    and stores the rows (one launch per decode step). Which program computes a chunk, and how the
+    p + 2P, ... (WALK_HALF, P = 2: program 0 the merged state of the first half, program 1 the rest's);
+    the last of the pair's programs to finish merges the states in chunk order and stores the rows
+    (one launch per decode step). Which program computes a chunk, and how the
     walks and splits share the grid, move no bit. The launcher sets n_walks and P from the batch,
     never the cache length, so a grid sized for the longest sequence (a CUDA graph's) costs no idle
     programs. WALKS / SPLITS: whether the grid holds any walk / any split (a kernel of one kind holds
@@ -667,12 +680,13 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
         seq, kv_head = pair // n_kv, pair % n_kv
         # a split program's first chunk's page entries, issued beside the bounds' loads below rather
         # than after them: its K/V loads then wait one memory round trip less (a walk loads none; the
-        # bound in int64: a table of several 2^30-key pages would overflow int32).
+        # bound in int64: a table of several 2^30-key pages would overflow int32; tl.cast, since a width
+        # of 1, a linear K/V's, comes specialised as a Python int).
         # The thirty-fourth session (H100, ab_decode.py, CUDA graphs, bits equal): batch 1 at 1k /
         # 4k / 16k keys 1.039 / 1.033 / 1.010x; batches 4-64 (several chunks a program) 1.000-1.002x
         first_pages = None
         if PAGE_SHIFT >= 0:
-            last_key = tl.where(walking, -1, (table_width.to(tl.int64) << PAGE_SHIFT) - 1)
+            last_key = tl.where(walking, -1, (tl.cast(table_width, tl.int64) << PAGE_SHIFT) - 1)
             first_pages = _chunk_pages(page_table + seq * stride_table, p * KV_CHUNK, last_key, KV_CHUNK, PAGE_SHIFT)
     else:  # a grid of walks only: (1, kv heads, sequences)
         p, kv_head, seq, first_pages = 0, tl.program_id(1), tl.program_id(2), None
@@ -711,25 +725,49 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
         # chunk: the one loop's in-loop store takes shared memory (78 KB a program against 71.7 at 2-3
         # stages), two programs an SM instead of three (0.91-0.97x the sixteenth session's kernel at
         # batch 16-64 in an A/B)
-        mine = (n_need - 1 - p) // per_split + 1
-        if FLAT_STAGES and (mine > 1):
-            _split_states(q_tile, pos, hi, p, per_split, mine, k, v, page_row, page_size, stride_page, stride_slot,
-                          qk_scale, part_m, part_l, part_acc, first, keep, GROUP, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP,
-                          PAGE_SHIFT, FLAT_STAGES)
+        # WALK_HALF (a grid of pairs split two ways on the deeper split ring, FLAT_STAGES): program 0 walks
+        # the first half of its pair's chunks as a walk does, merging them in registers (_row_state), and
+        # stores that one state where the half's last chunk's would go; program 1 folds the other half's
+        # chunks in one loop (_split_states). The merge starts from the half's state: the same chain of
+        # merges, about half the chunk states through memory. A kernel of its own (the grid says when),
+        # so that the other grids' kernels hold no walk: with one, their split programs ran 0.91-0.98x
+        # at batch 1 though none of them walked (the thirty-fifth session, H100). Else program p takes
+        # chunks p, p + P, p + 2P, ...
+        if WALK_HALF:
+            half = (n_need + 1) // 2
+            if p == 0:
+                m, l, acc = _row_state(q_tile, pos, tl.minimum(hi, half * KV_CHUNK - 1), k, v, page_row, page_size,
+                                       stride_page, stride_slot, qk_scale, None, None, 0, 0, ROWS, D, KV_BLOCK,
+                                       KV_CHUNK, PREFETCH, SWAP, False, PAGE_SHIFT, FLAT_STAGES)
+                _store_chunk_state(part_m, part_l, part_acc, first + (half - 1) * GROUP, keep, m, l, acc, D, SWAP)
+                mine = half
+            else:
+                mine = n_need - half
+                _split_states(q_tile, pos, hi, half, 1, mine, k, v, page_row, page_size, stride_page, stride_slot,
+                              qk_scale, part_m, part_l, part_acc, first, keep, GROUP, ROWS, D, KV_BLOCK, KV_CHUNK,
+                              SWAP, PAGE_SHIFT, FLAT_STAGES)
+            c0 = half - 1
         else:
-            m, l, acc = _chunk_state(q_tile, pos, hi, p, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
-                                     ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT, first_pages)
-            _store_chunk_state(part_m, part_l, part_acc, first + p * GROUP, keep, m, l, acc, D, SWAP)
-            for chunk in range(p + per_split, n_need, per_split):
-                m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot,
-                                         qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT)
-                _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, l, acc, D, SWAP)
+            mine = (n_need - 1 - p) // per_split + 1
+            if FLAT_STAGES and (mine > 1):
+                _split_states(q_tile, pos, hi, p, per_split, mine, k, v, page_row, page_size, stride_page,
+                              stride_slot, qk_scale, part_m, part_l, part_acc, first, keep, GROUP, ROWS, D, KV_BLOCK,
+                              KV_CHUNK, SWAP, PAGE_SHIFT, FLAT_STAGES)
+            else:
+                m, l, acc = _chunk_state(q_tile, pos, hi, p, k, v, page_row, page_size, stride_page, stride_slot,
+                                         qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT, first_pages)
+                _store_chunk_state(part_m, part_l, part_acc, first + p * GROUP, keep, m, l, acc, D, SWAP)
+                for chunk in range(p + per_split, n_need, per_split):
+                    m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page,
+                                             stride_slot, qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT)
+                    _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, l, acc, D, SWAP)
+            c0 = 0
         tl.debug_barrier()  # every thread's stores precede the release
         ticket = tl.atomic_add(tickets + tail, mine, sem="acq_rel", scope="gpu")
         if ticket + mine == n_need:  # this program stored the last of the chunk states
             tl.atomic_xchg(tickets + tail, 0, sem="relaxed", scope="gpu")  # _tickets.py
-            _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
-                                GROUP, MERGE_ROWS, D)
+            _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, c0, begin, kv_head,
+                                n_heads, GROUP, MERGE_ROWS, D)
 
 
 # ---- the forward, warp-specialised (Gluon) ---------------------------------------------------------
@@ -1738,7 +1776,7 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
         ROWS=decode_rows(group, d), MERGE_ROWS=triton.next_power_of_2(group), D=d, KV_BLOCK=KV_BLOCK,
         KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"], FROM_LENS=queries.from_lens,
         SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size), FLAT_STAGES=flat_stages,
-        num_warps=cfg["num_warps"], num_stages=stages)
+        WALK_HALF=bool(cfg["WALK_HALF"] and flat_stages and per_split == 2), num_warps=cfg["num_warps"], num_stages=stages)
 
 
 def decode_page_shift(page_size: int) -> int:
