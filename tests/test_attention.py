@@ -365,12 +365,12 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
 def test_decode_walked_half_keeps_the_bits(triton_backend, monkeypatch):
     """A pair split two ways (WALK_HALF): program 0 walks the first half of its chunks, merging them
     in registers, and the merge starts from that state. Every decoded row keeps training's bits, and
-    the interleaved split's, at odd and even chunk counts (1-5 chunks: 1,030 keys; program 1's one
-    chunk in a loop a chunk, its several in one loop over their blocks), on the deeper split ring
-    (FLAT_STAGES); the table's ring (where a walk beside the splits would take the registers of a third
-    program an SM) splits as before."""
+    the interleaved split's, at odd and even chunk counts (1-5 chunks of the fixture's 32 keys; program
+    1's in one loop over their blocks), on the deeper split ring
+    (FLAT_STAGES), from WALK_HALF chunks in the cache's longest sequence; the table's ring (where a walk
+    beside the splits would take the registers of a third program an SM) splits as before."""
     A = triton_backend
-    lens = [300, 150, 1030, 520]  # 4 single-query sequences at one kv head: 2, 1, 5 and 3 chunks
+    lens = [64, 20, 160, 96]  # 4 single-query sequences at one kv head: 2, 1, 5 and 3 chunks
     q, k, v, cu = _packed(lens, 4, 1, 16, device=TRITON_DEVICE)
     train = K.varlen_attention(q, k, v, cu)
     last = cu[1:] - 1
@@ -386,13 +386,15 @@ def test_decode_walked_half_keeps_the_bits(triton_backend, monkeypatch):
     monkeypatch.setattr(A, "_decode_chunk_kernel", Spy())
     outs = {}
     # (4 pairs on the interpreter's 4 "SMs": 2 programs a pair either way)
-    for walk_half in (False, True):
+    # (WALK_HALF: from that many chunks in the cache's longest sequence, 0 never; these hold 5)
+    for walk_half in (0, 1, 5, 6):
         for split_per_sm, flat in ((2, 5), (2, 4), (2, 0), (0, 0)):
             monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "PROGRAMS_PER_SM": 2,
                                                      "SPLIT_PER_SM": split_per_sm, "FLAT_STAGES": flat,
                                                      "WALK_HALF": walk_half})
             outs[walk_half, split_per_sm, flat] = K.causal_attention(q[last][:, None], k_b, v_b, pos)[:, 0]
-            assert grids[-1][:2] == (0, 2) and halves[-1] == (walk_half and split_per_sm and flat > 0), (grids, halves)
+            on = 0 < walk_half <= 5 and split_per_sm > 0 and flat > 0
+            assert grids[-1][:2] == (0, 2) and halves[-1] == on, (walk_half, split_per_sm, flat, grids, halves)
     for key, got in outs.items():
         assert torch.equal(got, train[last]), key
 
@@ -521,7 +523,7 @@ decode = {f"{'swapped' if swap else 'padded'}{kind}{' deep' if deep else ''}":
           for swap in (True, False) for kind in kinds
           for deep in ((False, True) if swap and kind == " in registers" else (False,))}
 # a grid of splits alone on its deeper ring (" halves": of pairs split two ways, the first half walked)
-for name, halves in (("swapped split deep", False), ("swapped split deep halves", cfg["WALK_HALF"])):
+for name, halves in (("swapped split deep", False), ("swapped split deep halves", cfg["WALK_HALF"] > 0)):
     decode[name] = compile_sm90(
         A._decode_chunk_kernel, types, dict(ROWS=16, MERGE_ROWS=4, WALKS=False, SPLITS=True, FROM_LENS=True,
                                             PREFETCH=cfg["PREFETCH"], SWAP=True, PAGE_SHIFT=A.decode_page_shift(16),
@@ -852,7 +854,7 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
     if per_sm is None:
         cfg.update(PROGRAMS_PER_SM=pairs // sms, WALK_PER_SM=1, SPLIT_TAIL=True)
     if split_per_sm == "halves":
-        cfg.update(SPLIT_PER_SM=-(-2 * pairs // sms), WALK_HALF=True)
+        cfg.update(SPLIT_PER_SM=-(-2 * pairs // sms), WALK_HALF=1)
     monkeypatch.setitem(A.TUNING, "decode", cfg)
     assert A.decode_swapped(128) == swap
     walks, per_split, stages, flat = A._decode_grid(pairs, 12, sms, cfg)  # 3,000 keys: 12 chunks

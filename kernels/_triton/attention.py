@@ -176,14 +176,15 @@ TUNING = {
     # x 4k 1.05 / 1.07x, 16 x 1k / 4k / 16k 1.05 / 1.03 / 1.01x; 4 stages (the page load takes one:
     # a ring of 2 K/V blocks) 0.94-1.00x, 6 as 5 (111 KB a program either way: 2 an SM)
     # WALK_HALF: where that ring's grid splits each pair two ways (batches of 9-16 at 8 kv heads on
-    # 132 SMs), program 0 walks the first half of the pair's chunks, merging them in registers, and
-    # program 1 stores the other half's states (_decode_chunk_kernel): half the states through memory.
-    # The thirty-fifth session (H100, ab_decode.py, CUDA graphs, bits equal, against the split two
-    # ways): batch 16 at 1k / 4k / 16k / 32k keys 0.99 / 1.016 / 1.017 / 1.020x; the walk given 7/16,
-    # 3/8 or 5/8 of the chunks instead of half: 0.98-0.99, 0.94-0.99, 0.95-0.99x
+    # 132 SMs) and the cache's longest sequence holds at least this many chunks (0: never), program 0
+    # walks the first half of the pair's chunks, merging them in registers, and program 1 stores the
+    # other half's states (_decode_chunk_kernel): half the states through memory. The thirty-fifth
+    # session (H100, ab_decode.py, CUDA graphs, bits equal, against the split two ways): batch 16 at
+    # 1k / 2k / 3k / 4k / 16k / 32k keys 0.99 / 1.008 / 1.011 / 1.016-1.018 / 1.017-1.020 / 1.020x; the
+    # walk given 7/16, 3/8 or 5/8 of the chunks instead of half: 0.98-0.99, 0.94-0.99, 0.95-0.99x
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
                    WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2, FLAT_STAGES=5,
-                   WALK_HALF=True),
+                   WALK_HALF=8),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
@@ -1776,7 +1777,8 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
         ROWS=decode_rows(group, d), MERGE_ROWS=triton.next_power_of_2(group), D=d, KV_BLOCK=KV_BLOCK,
         KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"], FROM_LENS=queries.from_lens,
         SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size), FLAT_STAGES=flat_stages,
-        WALK_HALF=bool(cfg["WALK_HALF"] and flat_stages and per_split == 2), num_warps=cfg["num_warps"], num_stages=stages)
+        WALK_HALF=bool(flat_stages and per_split == 2 and n_chunks >= cfg["WALK_HALF"] > 0), num_warps=cfg["num_warps"],
+        num_stages=stages)
 
 
 def decode_page_shift(page_size: int) -> int:
