@@ -313,6 +313,18 @@ def test_varlen_max_seqlen_moves_no_bit(triton_backend, monkeypatch):
     assert torch.equal(short[~left_out], ref[0][~left_out].detach())  # what was written is the op's bits
 
 
+def _recorded_decode_flags(A, monkeypatch, flag: str) -> list:
+    """The list each later decode launch appends the value of its constexpr `flag` to."""
+    flags, kernel = [], A._decode_chunk_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: flags.append(kw[flag]) or kernel[grid](*args, **kw)
+
+    monkeypatch.setattr(A, "_decode_chunk_kernel", Spy())
+    return flags
+
+
 def _recorded_decode_grids(A, monkeypatch) -> list:
     """The list each later decode launch appends its _decode_grid result to."""
     grids, real = [], A._decode_grid
@@ -348,18 +360,22 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
         assert torch.equal(K.causal_attention(q[None, 69:70], k[None, :70], v[None, :70], last), decode), per_sm
     # several chunks a program (10 chunks on 4 programs: 3, 3, 2, 2, the last chunk one of its two
     # blocks), in one loop over a program's blocks (FLAT_STAGES) or a loop a chunk, merged in two
-    # steps of _MERGE_AHEAD (8) loads, the second with 6 past the last state; and 5 chunks on 4
-    # programs (2, 1, 1, 1: a program of one chunk takes a loop a chunk either way)
+    # steps of _MERGE_AHEAD (8) loads, the second with 6 past the last state; 5 chunks on 4
+    # programs (2, 1, 1, 1: a program of one chunk takes a loop a chunk either way); and 4 or 3
+    # chunks on 4 programs, the kernel built for one chunk a program (ONE_CHUNK)
     assert triton_backend._MERGE_AHEAD.value == 8
     grids = _recorded_decode_grids(triton_backend, monkeypatch)
+    one_chunk = _recorded_decode_flags(triton_backend, monkeypatch, "ONE_CHUNK")
     for flat in (0, 5):
         monkeypatch.setitem(triton_backend.TUNING, "decode", {**triton_backend.TUNING["decode"], "PROGRAMS_PER_SM": 1,
                                                               "SPLIT_PER_SM": 1, "FLAT_STAGES": flat})
-        for n in (300, 150):
+        for n in (300, 150, 100, 70):
             q, k, v, cu = _packed([n], 4, 1, 16, device=TRITON_DEVICE)
             got = K.causal_attention(q[None, n - 1:], k[None], v[None], torch.tensor([[n - 1]], device=TRITON_DEVICE))
             assert torch.equal(got[0, 0], K.varlen_attention(q, k, v, cu)[n - 1]), (n, flat)
-            assert grids[-1] == (0, 4, triton_backend.TUNING["decode"]["SPLIT_STAGES"], flat), grids[-1]
+            chunks = -(-n // triton_backend.KV_CHUNK)
+            assert grids[-1] == (0, min(4, chunks), triton_backend.TUNING["decode"]["SPLIT_STAGES"], flat), grids[-1]
+            assert one_chunk[-1] == (chunks <= 4), (n, one_chunk)
 
 
 def test_decode_walked_half_keeps_the_bits(triton_backend, monkeypatch):
@@ -377,13 +393,7 @@ def test_decode_walked_half_keeps_the_bits(triton_backend, monkeypatch):
     k_b, v_b = _padded(k, cu, max(lens)), _padded(v, cu, max(lens))
     pos = (torch.tensor(lens, device=TRITON_DEVICE) - 1)[:, None]
     grids = _recorded_decode_grids(A, monkeypatch)
-    halves, kernel = [], A._decode_chunk_kernel
-
-    class Spy:  # the WALK_HALF each launch compiles for
-        def __getitem__(self, grid):
-            return lambda *args, **kw: halves.append(kw["WALK_HALF"]) or kernel[grid](*args, **kw)
-
-    monkeypatch.setattr(A, "_decode_chunk_kernel", Spy())
+    halves = _recorded_decode_flags(A, monkeypatch, "WALK_HALF")
     outs = {}
     # (4 pairs on the interpreter's 4 "SMs": 2 programs a pair either way)
     # (WALK_HALF: from that many chunks in the cache's longest sequence, 0 never; these hold 5)
@@ -517,23 +527,27 @@ split = dict(FLAT_STAGES=0)
 decode = {f"{'swapped' if swap else 'padded'}{kind}{' deep' if deep else ''}":
           compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=16 if swap else cfg["MIN_ROWS"], MERGE_ROWS=4,
                        WALKS=kinds[kind][0], SPLITS=kinds[kind][1], FROM_LENS=True, PREFETCH=cfg["PREFETCH"],
-                       SWAP=swap, PAGE_SHIFT=A.decode_page_shift(16), WALK_HALF=False, **common, **split),
+                       SWAP=swap, PAGE_SHIFT=A.decode_page_shift(16), WALK_HALF=False, ONE_CHUNK=False, **common,
+                       **split),
                        cfg["num_warps"],
                        cfg["WALK_STAGES" if deep else "num_stages"])
           for swap in (True, False) for kind in kinds
           for deep in ((False, True) if swap and kind == " in registers" else (False,))}
-# a grid of splits alone on its deeper ring (" halves": of pairs split two ways, the first half walked)
-for name, halves in (("swapped split deep", False), ("swapped split deep halves", cfg["WALK_HALF"] > 0)):
+# a grid of splits alone on its deeper ring (" halves": of pairs split two ways, the first half walked;
+# " one chunk": of sequences of no more chunks than a pair has programs)
+for name, halves, one in (("swapped split deep", False, False),
+                          ("swapped split deep halves", cfg["WALK_HALF"] > 0, False),
+                          ("swapped split deep one chunk", False, True)):
     decode[name] = compile_sm90(
         A._decode_chunk_kernel, types, dict(ROWS=16, MERGE_ROWS=4, WALKS=False, SPLITS=True, FROM_LENS=True,
                                             PREFETCH=cfg["PREFETCH"], SWAP=True, PAGE_SHIFT=A.decode_page_shift(16),
-                                            FLAT_STAGES=cfg["FLAT_STAGES"], WALK_HALF=halves, **common),
+                                            FLAT_STAGES=cfg["FLAT_STAGES"], WALK_HALF=halves, ONE_CHUNK=one, **common),
         cfg["num_warps"], cfg["SPLIT_STAGES"])
 # ... over a linear K/V: a page table one entry wide, which the launch specialises as the constant 1
 decode["swapped split deep, one page a row"] = compile_sm90(
     A._decode_chunk_kernel, types, dict(ROWS=16, MERGE_ROWS=4, WALKS=False, SPLITS=True, FROM_LENS=True,
                                         PREFETCH=cfg["PREFETCH"], SWAP=True, PAGE_SHIFT=A.decode_page_shift(1 << 30),
-                                        FLAT_STAGES=cfg["FLAT_STAGES"], WALK_HALF=False, table_width=1,
+                                        FLAT_STAGES=cfg["FLAT_STAGES"], WALK_HALF=False, ONE_CHUNK=False, table_width=1,
                                         **common), cfg["num_warps"], cfg["SPLIT_STAGES"])
 print(json.dumps([prefill, linear, gluon, gluon_q_regs, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, dq_gluon_q_regs,
                   decode]))
@@ -588,7 +602,8 @@ def test_decode_and_prefill_multiply_with_wgmma():
     cfg, per_block = A.TUNING["decode"], 227 * 1024
     for name, per_sm in (("swapped", "PROGRAMS_PER_SM"), ("swapped in registers", "PROGRAMS_PER_SM"),
                          ("swapped in registers deep", "WALK_PER_SM"), ("swapped mixed", "PROGRAMS_PER_SM"),
-                         ("swapped split deep", "SPLIT_PER_SM"), ("swapped split deep halves", "SPLIT_PER_SM")):
+                         ("swapped split deep", "SPLIT_PER_SM"), ("swapped split deep halves", "SPLIT_PER_SM"),
+                         ("swapped split deep one chunk", "SPLIT_PER_SM")):
         assert decode[name]["mma"] == [["3", "[16, 16, 16]"]], (name, decode[name])
         assert decode[name]["regs"] * 32 * cfg["num_warps"] * cfg[per_sm] <= 65536, (name, decode[name])
     assert per_block // decode["swapped"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode["swapped"]
@@ -597,6 +612,7 @@ def test_decode_and_prefill_multiply_with_wgmma():
     assert per_block // decode["swapped in registers deep"]["shared_bytes"] == cfg["WALK_PER_SM"], decode
     assert per_block // decode["swapped split deep"]["shared_bytes"] == cfg["SPLIT_PER_SM"], decode
     assert per_block // decode["swapped split deep halves"]["shared_bytes"] == cfg["SPLIT_PER_SM"], decode
+    assert per_block // decode["swapped split deep one chunk"]["shared_bytes"] == cfg["SPLIT_PER_SM"], decode
     # the prefill tile holds the next block's K/V in registers (TUNING["prefill"]["PREFETCH"]): the
     # measured winner spills 8 bytes on packed sequences and 68 on the paged layout (probed here);
     # more would mean the table no longer fits the tile
@@ -813,9 +829,10 @@ def test_gpu_paged_prefill_takes_the_gluon_forward_with_the_training_bits(gpu_tr
 @pytest.mark.parametrize("swap", [True, False], ids=["swapped", "padded"])
 @pytest.mark.parametrize("per_sm,walk_stages,split_per_sm,flat_stages",
                          [(16, None, 16, None), (16, None, 16, 0), (16, None, 0, None), (16, None, "halves", None),
-                          (0, None, None, None), (0, 2, None, None), (None, None, None, None)],
-                         ids=["split", "split-a-loop-a-chunk", "split-2-stages", "split-halves", "one-program",
-                              "one-program-2-stages", "walks-and-split-tail"])
+                          (16, None, "one-chunk", None), (0, None, None, None), (0, 2, None, None),
+                          (None, None, None, None)],
+                         ids=["split", "split-a-loop-a-chunk", "split-2-stages", "split-halves", "split-one-chunk",
+                              "one-program", "one-program-2-stages", "walks-and-split-tail"])
 def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, per_sm, walk_stages, split_per_sm,
                                                  flat_stages):
     """Decode tiles at Qwen3-8B heads (bf16, head_dim 128, group 4), with the dots' operands swapped
@@ -825,13 +842,14 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
     slots fewer than the pairs: the last wave's pairs split): each decoded token's output equals its
     training output, bit for bit, at positions across blocks and chunks. A grid of splits alone runs
     on the SPLIT_STAGES ring, or (SPLIT_PER_SM 0) on the table's; "halves": as many an SM as split
-    each pair two ways on the SPLIT_STAGES ring, its first half walked by one program (WALK_HALF)."""
+    each pair two ways on the SPLIT_STAGES ring, its first half walked by one program (WALK_HALF);
+    "one-chunk": as many as give each chunk a program (the kernel built for that, ONE_CHUNK)."""
     from lockstep.kernels._triton import attention as A
 
     cfg = {**A.TUNING["decode"], "SWAP": swap, "PROGRAMS_PER_SM": per_sm}
     if walk_stages is not None:
         cfg["WALK_STAGES"] = walk_stages
-    if split_per_sm is not None and split_per_sm != "halves":
+    if split_per_sm is not None and split_per_sm not in ("halves", "one-chunk"):
         cfg["SPLIT_PER_SM"] = split_per_sm
     if flat_stages is not None:
         cfg["FLAT_STAGES"] = flat_stages
@@ -855,14 +873,17 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
         cfg.update(PROGRAMS_PER_SM=pairs // sms, WALK_PER_SM=1, SPLIT_TAIL=True)
     if split_per_sm == "halves":
         cfg.update(SPLIT_PER_SM=-(-2 * pairs // sms), WALK_HALF=1)
+    if split_per_sm == "one-chunk":
+        cfg.update(SPLIT_PER_SM=-(-12 * pairs // sms))
     monkeypatch.setitem(A.TUNING, "decode", cfg)
     assert A.decode_swapped(128) == swap
     walks, per_split, stages, flat = A._decode_grid(pairs, 12, sms, cfg)  # 3,000 keys: 12 chunks
     if per_sm is None:
         assert 0 < walks < pairs and per_split > 1 and not flat, (walks, per_split, pairs, flat)
     elif per_sm:
-        assert walks == 0 and 1 < per_split < 12, (walks, per_split)  # the longest: programs of several chunks
+        assert walks == 0 and 1 < per_split <= 12, (walks, per_split)  # the longest: several chunks a program, or one
         assert (per_split == 2) == (split_per_sm == "halves"), per_split
+        assert (per_split == 12) == (split_per_sm == "one-chunk"), per_split  # (12 chunks: one a program)
         assert stages == cfg["SPLIT_STAGES" if split_per_sm else "num_stages"], stages
         assert flat == (cfg["FLAT_STAGES"] if split_per_sm else 0), flat
     else:

@@ -655,7 +655,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          MERGE_ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                          WALKS: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
                          FROM_LENS: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr,
-                         FLAT_STAGES: tl.constexpr, WALK_HALF: tl.constexpr):
+                         FLAT_STAGES: tl.constexpr, WALK_HALF: tl.constexpr, ONE_CHUNK: tl.constexpr):
     """Single-query sequences, each (sequence, kv head) pair's rows the group's query heads. A grid
     with splits is 1-D: programs 0 .. n_walks - 1 walk pairs 0 .. n_walks - 1 whole, and each later
     pair is split across per_split programs (P); a grid of walks only is (1, kv heads, sequences). A
@@ -670,7 +670,9 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     only its path). SWAP: the tile's dots run with their operands swapped (_fold_block): the group's
     heads are the N side of the MMA, padded to ROWS = 16 rather than 64. PAGE_SHIFT: _kv_offsets'.
     table_width: the page table's entries a row (a split program loads its first chunk's entries
-    before the sequence's bounds, masked by the table's width)."""
+    before the sequence's bounds, masked by the table's width). ONE_CHUNK: no sequence has more
+    chunks than its pair has programs (the launcher's bound, the cache's longest sequence), so the
+    kernel holds no path for a program's second chunk."""
     if SPLITS:
         pid = tl.program_id(0)
         n_kv = n_heads // GROUP
@@ -749,8 +751,13 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                               SWAP, PAGE_SHIFT, FLAT_STAGES)
             c0 = half - 1
         else:
-            mine = (n_need - 1 - p) // per_split + 1
-            if FLAT_STAGES and (mine > 1):
+            if ONE_CHUNK:  # a kernel without the paths of several chunks a program: the thirty-fifth session
+                # (H100, ab_decode.py, CUDA graphs, bits equal), batch 1 at 1k / 4k 1.016 / 1.012-1.026x,
+                # 2 x 4k 1.027x (that code, never run there, took their programs longer)
+                mine = 1
+            else:
+                mine = (n_need - 1 - p) // per_split + 1
+            if (FLAT_STAGES and not ONE_CHUNK) and (mine > 1):
                 _split_states(q_tile, pos, hi, p, per_split, mine, k, v, page_row, page_size, stride_page,
                               stride_slot, qk_scale, part_m, part_l, part_acc, first, keep, GROUP, ROWS, D, KV_BLOCK,
                               KV_CHUNK, SWAP, PAGE_SHIFT, FLAT_STAGES)
@@ -758,10 +765,11 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                 m, l, acc = _chunk_state(q_tile, pos, hi, p, k, v, page_row, page_size, stride_page, stride_slot,
                                          qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT, first_pages)
                 _store_chunk_state(part_m, part_l, part_acc, first + p * GROUP, keep, m, l, acc, D, SWAP)
-                for chunk in range(p + per_split, n_need, per_split):
-                    m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page,
-                                             stride_slot, qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT)
-                    _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, l, acc, D, SWAP)
+                if not ONE_CHUNK:
+                    for chunk in range(p + per_split, n_need, per_split):
+                        m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page,
+                                                 stride_slot, qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT)
+                        _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, l, acc, D, SWAP)
             c0 = 0
         tl.debug_barrier()  # every thread's stores precede the release
         ticket = tl.atomic_add(tickets + tail, mine, sem="acq_rel", scope="gpu")
@@ -1777,8 +1785,8 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
         ROWS=decode_rows(group, d), MERGE_ROWS=triton.next_power_of_2(group), D=d, KV_BLOCK=KV_BLOCK,
         KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"], FROM_LENS=queries.from_lens,
         SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size), FLAT_STAGES=flat_stages,
-        WALK_HALF=bool(flat_stages and per_split == 2 and n_chunks >= cfg["WALK_HALF"] > 0), num_warps=cfg["num_warps"],
-        num_stages=stages)
+        WALK_HALF=bool(flat_stages and per_split == 2 and n_chunks >= cfg["WALK_HALF"] > 0),
+        ONE_CHUNK=bool(split and n_chunks <= per_split), num_warps=cfg["num_warps"], num_stages=stages)
 
 
 def decode_page_shift(page_size: int) -> int:
