@@ -313,6 +313,16 @@ def test_varlen_max_seqlen_moves_no_bit(triton_backend, monkeypatch):
     assert torch.equal(short[~left_out], ref[0][~left_out].detach())  # what was written is the op's bits
 
 
+def _last_queries(lens: list[int]):
+    """Each sequence's last query at one kv head (4 query heads, head_dim 16) as a decode step: (q
+    [B, 1, 4, 16], its training output [B, 4, 16], padded K and V [B, max(lens), 1, 16], positions)."""
+    q, k, v, cu = _packed(lens, 4, 1, 16, device=TRITON_DEVICE)
+    last = cu[1:] - 1
+    pos = (torch.tensor(lens, device=TRITON_DEVICE) - 1)[:, None]
+    return q[last][:, None], K.varlen_attention(q, k, v, cu)[last], _padded(k, cu, max(lens)), \
+        _padded(v, cu, max(lens)), pos
+
+
 def _recorded_decode_flags(A, monkeypatch, flag: str) -> list:
     """The list each later decode launch appends the value of its constexpr `flag` to."""
     flags, kernel = [], A._decode_chunk_kernel
@@ -382,16 +392,12 @@ def test_decode_walked_half_keeps_the_bits(triton_backend, monkeypatch):
     """A pair split two ways (WALK_HALF): program 0 walks the first half of its chunks, merging them
     in registers, and the merge starts from that state. Every decoded row keeps training's bits, and
     the interleaved split's, at odd and even chunk counts (1-5 chunks of the fixture's 32 keys; program
-    1's in one loop over their blocks), on the deeper split ring
-    (FLAT_STAGES), from WALK_HALF chunks in the cache's longest sequence; the table's ring (where a walk
-    beside the splits would take the registers of a third program an SM) splits as before."""
+    1's in one loop over their blocks), on the deeper split ring (FLAT_STAGES), from WALK_HALF chunks
+    in the cache's longest sequence; the table's ring (where a walk beside the splits would take the
+    registers of a third program an SM) splits as before."""
     A = triton_backend
     lens = [64, 20, 160, 96]  # 4 single-query sequences at one kv head: 2, 1, 5 and 3 chunks
-    q, k, v, cu = _packed(lens, 4, 1, 16, device=TRITON_DEVICE)
-    train = K.varlen_attention(q, k, v, cu)
-    last = cu[1:] - 1
-    k_b, v_b = _padded(k, cu, max(lens)), _padded(v, cu, max(lens))
-    pos = (torch.tensor(lens, device=TRITON_DEVICE) - 1)[:, None]
+    q, train, k_b, v_b, pos = _last_queries(lens)
     grids = _recorded_decode_grids(A, monkeypatch)
     halves = _recorded_decode_flags(A, monkeypatch, "WALK_HALF")
     outs = {}
@@ -402,11 +408,11 @@ def test_decode_walked_half_keeps_the_bits(triton_backend, monkeypatch):
             monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "PROGRAMS_PER_SM": 2,
                                                      "SPLIT_PER_SM": split_per_sm, "FLAT_STAGES": flat,
                                                      "WALK_HALF": walk_half})
-            outs[walk_half, split_per_sm, flat] = K.causal_attention(q[last][:, None], k_b, v_b, pos)[:, 0]
+            outs[walk_half, split_per_sm, flat] = K.causal_attention(q, k_b, v_b, pos)[:, 0]
             on = 0 < walk_half <= 5 and split_per_sm > 0 and flat > 0
             assert grids[-1][:2] == (0, 2) and halves[-1] == on, (walk_half, split_per_sm, flat, grids, halves)
     for key, got in outs.items():
-        assert torch.equal(got, train[last]), key
+        assert torch.equal(got, train), key
 
 
 def test_decode_grid_splits_its_last_waves_pairs_with_the_walks_bits(triton_backend, monkeypatch):
@@ -415,11 +421,7 @@ def test_decode_grid_splits_its_last_waves_pairs_with_the_walks_bits(triton_back
     all-walks grid and of training."""
     A = triton_backend
     lens = [70, 20, 45, 33, 64, 90, 7, 50, 81, 38]  # 10 single-query sequences at one kv head: 10 pairs
-    q, k, v, cu = _packed(lens, 4, 1, 16, device=TRITON_DEVICE)
-    train = K.varlen_attention(q, k, v, cu)
-    last = cu[1:] - 1
-    k_b, v_b = _padded(k, cu, max(lens)), _padded(v, cu, max(lens))
-    pos = (torch.tensor(lens, device=TRITON_DEVICE) - 1)[:, None]
+    q, train, k_b, v_b, pos = _last_queries(lens)
     grids = _recorded_decode_grids(A, monkeypatch)
     slots = 2 * A.resident_programs(q.device)  # two programs an SM: a wave of this many
     assert 10 % slots and slots // (10 % slots) > 1  # a last wave of walks part full, fewer than half its slots
@@ -428,13 +430,13 @@ def test_decode_grid_splits_its_last_waves_pairs_with_the_walks_bits(triton_back
     for per_sm, split_tail in [(0, True), (2, True), (2, False), (64, True)]:
         monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "PROGRAMS_PER_SM": per_sm, "WALK_PER_SM": 1,
                                                  "SPLIT_TAIL": split_tail})
-        outs[per_sm, split_tail] = K.causal_attention(q[last][:, None], k_b, v_b, pos)[:, 0]
+        outs[per_sm, split_tail] = K.causal_attention(q, k_b, v_b, pos)[:, 0]
     tail = 10 % slots
     walks, per_split, _, flat = grids[1]
     assert (walks, per_split, flat) == (10 - tail, min(3, slots // tail), 0), grids  # the mixed grid: a loop a chunk
     assert grids[0][:2] == grids[2][:2] == (10, 1) and grids[3][0] == 0, grids  # walks only; splits only
     for key, got in outs.items():
-        assert torch.equal(got, train[last]), key
+        assert torch.equal(got, train), key
 
 
 def test_decode_grid_rule_on_an_h200():
