@@ -634,7 +634,8 @@ def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_ne
     # invalidation, CCTL.IVALL), so no L1 line they fill is stale. L2-only loads (.cg, ptxas'
     # LDG.STRONG.GPU) took 1.04-1.05x their time at batch 1 x 4k-32k (the thirty-fourth session, H100,
     # ab_decode.py, bits equal); in that session's probes the merge cost ~80 ns a state whether its
-    # loads or its arithmetic were taken out (benchmarks/RESULTS.md)
+    # loads or its arithmetic were taken out, and alone (the thirty-fifth, benchmarks/probe_merge.py)
+    # ~190 ns, a chain of latencies: a two-pass form that halves that alone gained 2% here, not kept
     for c_step in range(c0, n_need, _MERGE_AHEAD):
         for i in tl.static_range(_MERGE_AHEAD):
             c = c_step + i
@@ -663,8 +664,8 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     operations in the same order). Split program p of a pair stores the states of chunks p, p + P,
     p + 2P, ... (WALK_HALF, P = 2: program 0 the merged state of the first half, program 1 the rest's);
     the last of the pair's programs to finish merges the states in chunk order and stores the rows
-    (one launch per decode step). Which program computes a chunk, and how the
-    walks and splits share the grid, move no bit. The launcher sets n_walks and P from the batch,
+    (one launch per decode step). Which program computes a chunk, and how the walks and splits share
+    the grid, move no bit. The launcher sets n_walks and P from the batch,
     never the cache length, so a grid sized for the longest sequence (a CUDA graph's) costs no idle
     programs. WALKS / SPLITS: whether the grid holds any walk / any split (a kernel of one kind holds
     only its path). SWAP: the tile's dots run with their operands swapped (_fold_block): the group's
