@@ -536,21 +536,18 @@ decode = {f"{'swapped' if swap else 'padded'}{kind}{' deep' if deep else ''}":
           for swap in (True, False) for kind in kinds
           for deep in ((False, True) if swap and kind == " in registers" else (False,))}
 # a grid of splits alone on its deeper ring (" halves": of pairs split two ways, the first half walked;
-# " one chunk": of sequences of no more chunks than a pair has programs)
-for name, halves, one in (("swapped split deep", False, False),
-                          ("swapped split deep halves", cfg["WALK_HALF"] > 0, False),
-                          ("swapped split deep one chunk", False, True)):
+# " one chunk": of sequences of no more chunks than a pair has programs; ", one page a row": over a
+# linear K/V, whose one-entry page table the launch specialises as the constant 1)
+for name, variant in (("swapped split deep", {}), ("swapped split deep halves", dict(WALK_HALF=cfg["WALK_HALF"] > 0)),
+                      ("swapped split deep one chunk", dict(ONE_CHUNK=True)),
+                      ("swapped split deep, one page a row", dict(PAGE_SHIFT=A.decode_page_shift(1 << 30),
+                                                                  table_width=1))):
     decode[name] = compile_sm90(
-        A._decode_chunk_kernel, types, dict(ROWS=16, MERGE_ROWS=4, WALKS=False, SPLITS=True, FROM_LENS=True,
-                                            PREFETCH=cfg["PREFETCH"], SWAP=True, PAGE_SHIFT=A.decode_page_shift(16),
-                                            FLAT_STAGES=cfg["FLAT_STAGES"], WALK_HALF=halves, ONE_CHUNK=one, **common),
+        A._decode_chunk_kernel, types, {**dict(ROWS=16, MERGE_ROWS=4, WALKS=False, SPLITS=True, FROM_LENS=True,
+                                               PREFETCH=cfg["PREFETCH"], SWAP=True, PAGE_SHIFT=A.decode_page_shift(16),
+                                               FLAT_STAGES=cfg["FLAT_STAGES"], WALK_HALF=False, ONE_CHUNK=False,
+                                               **common), **variant},
         cfg["num_warps"], cfg["SPLIT_STAGES"])
-# ... over a linear K/V: a page table one entry wide, which the launch specialises as the constant 1
-decode["swapped split deep, one page a row"] = compile_sm90(
-    A._decode_chunk_kernel, types, dict(ROWS=16, MERGE_ROWS=4, WALKS=False, SPLITS=True, FROM_LENS=True,
-                                        PREFETCH=cfg["PREFETCH"], SWAP=True, PAGE_SHIFT=A.decode_page_shift(1 << 30),
-                                        FLAT_STAGES=cfg["FLAT_STAGES"], WALK_HALF=False, ONE_CHUNK=False, table_width=1,
-                                        **common), cfg["num_warps"], cfg["SPLIT_STAGES"])
 print(json.dumps([prefill, linear, gluon, gluon_q_regs, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, dq_gluon_q_regs,
                   decode]))
 """

@@ -590,20 +590,20 @@ def _store_chunk_state(part_m, part_l, part_acc, slot, keep, m, l, acc, D: tl.co
 
 
 @triton.jit
-def _split_states(q, pos, hi, p, per_split, mine, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
+def _split_states(q, pos, hi, chunk0, stride, mine, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
                   part_m, part_l, part_acc, first, keep, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr,
                   STAGES: tl.constexpr):
-    """A split program's `mine` chunks p, p + per_split, ... (a walked half's second program: the
-    consecutive chunks from p, per_split 1) in one pipelined loop over their blocks, each chunk's
+    """A split program's `mine` chunks chunk0, chunk0 + stride, ... (program p of P: p, P; a walked
+    half's second program: the half's first, 1) in one pipelined loop over their blocks, each chunk's
     state folded from empty and stored at its last block (or the last that holds keys):
     _chunk_state's operations in its order, without a pipeline restart at every chunk."""
     BLOCKS: tl.constexpr = KV_CHUNK // KV_BLOCK
-    last = p + (mine - 1) * per_split  # only the sequence's last chunk can end before its last block
+    last = chunk0 + (mine - 1) * stride  # only the sequence's last chunk can end before its last block
     n_blocks = (mine - 1) * BLOCKS + (tl.minimum(hi - last * KV_CHUNK, KV_CHUNK - 1) // KV_BLOCK + 1)
     m, l, acc = _empty_state(ROWS, D, SWAP)
     for i in tl.range(0, n_blocks, num_stages=STAGES):
-        chunk = p + (i // BLOCKS) * per_split
+        chunk = chunk0 + (i // BLOCKS) * stride
         kb, vb, key_pos = _block_kv(k, v, page_row, chunk * BLOCKS + i % BLOCKS, hi, page_size, stride_page,
                                     stride_slot, KV_BLOCK, D, PAGE_SHIFT)
         m, l, acc = _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK, SWAP)
