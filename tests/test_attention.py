@@ -394,7 +394,8 @@ def test_decode_walked_half_keeps_the_bits(triton_backend, monkeypatch):
     the interleaved split's, at odd and even chunk counts (1-5 chunks of the fixture's 32 keys; program
     1's in one loop over their blocks), on the deeper split ring (FLAT_STAGES), from WALK_HALF chunks
     in the cache's longest sequence; the table's ring (where a walk beside the splits would take the
-    registers of a third program an SM) splits as before."""
+    registers of a third program an SM) splits as before. Pairs that fill WALK_FILL of the SMs, one
+    each, walk whole instead (one program a pair, its chunks merged in registers): the same bits."""
     A = triton_backend
     lens = [64, 20, 160, 96]  # 4 single-query sequences at one kv head: 2, 1, 5 and 3 chunks
     q, train, k_b, v_b, pos = _last_queries(lens)
@@ -407,10 +408,14 @@ def test_decode_walked_half_keeps_the_bits(triton_backend, monkeypatch):
         for split_per_sm, flat in ((2, 5), (2, 4), (2, 0), (0, 0)):
             monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "PROGRAMS_PER_SM": 2,
                                                      "SPLIT_PER_SM": split_per_sm, "FLAT_STAGES": flat,
-                                                     "WALK_HALF": walk_half})
+                                                     "WALK_HALF": walk_half, "WALK_FILL": 0})
             outs[walk_half, split_per_sm, flat] = K.causal_attention(q, k_b, v_b, pos)[:, 0]
             on = 0 < walk_half <= 5 and split_per_sm > 0 and flat > 0
             assert grids[-1][:2] == (0, 2) and halves[-1] == on, (walk_half, split_per_sm, flat, grids, halves)
+    # 4 pairs fill the 4 "SMs" (3/4 would do): a wave of walks
+    monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "PROGRAMS_PER_SM": 2, "WALK_FILL": 0.75})
+    outs["walks"] = K.causal_attention(q, k_b, v_b, pos)[:, 0]
+    assert grids[-1] == (4, 1, A.TUNING["decode"]["WALK_STAGES"], 0), grids[-1]
     for key, got in outs.items():
         assert torch.equal(got, train), key
 
@@ -449,9 +454,14 @@ def test_decode_grid_rule_on_an_h200():
     grid = lambda batch, keys: A._decode_grid(batch * 8, -(-keys // A.KV_CHUNK), 132, cfg)  # noqa: E731
     # one wave of splits, at most a chunk each; a program of several chunks in one loop on FLAT_STAGES' ring
     assert grid(1, 16384) == (0, 33, 3, 5) and grid(1, 1024) == (0, 4, 3, 5)
-    assert grid(16, 4096) == (0, 2, 3, 5)
-    # 1 a pair on the deeper ring: the table's ring, a loop a chunk (3 programs an SM fit)
-    assert grid(20, 4096) == (0, 2, 2, 0) and grid(24, 4096) == (0, 2, 2, 0)
+    assert grid(12, 4096) == (0, 2, 3, 5) and grid(8, 1024) == (0, 4, 3, 5)
+    # pairs that fill at least WALK_FILL (3/4) of the SMs, one each: a wave of walks on the deeper ring
+    assert cfg["WALK_FILL"] == 0.75
+    for batch, keys in ((13, 1024), (16, 4096), (16, 32768)):  # 104 and 128 pairs: 99-132 walk
+        assert grid(batch, keys) == (batch * 8, 1, cfg["WALK_STAGES"], 0), (batch, keys)
+    assert A._decode_grid(128, 16, 132, {**cfg, "WALK_FILL": 0}) == (0, 2, 3, 5)  # (0: never)
+    # more pairs than SMs, 1 a pair on the deeper ring: the table's ring, a loop a chunk (3 an SM fit)
+    assert grid(17, 4096) == (0, 2, 2, 0) and grid(20, 4096) == (0, 2, 2, 0) and grid(24, 4096) == (0, 2, 2, 0)
     assert grid(25, 4096) == (200, 1, cfg["WALK_STAGES"], 0)
     assert grid(64, 4096) == (512, 1, cfg["WALK_STAGES"], 0)  # walks whose deeper ring costs no wave
     assert grid(128, 1024) == (1024, 1, 2, 0)  # a last wave of 232 walks: too full to split
@@ -462,8 +472,8 @@ def test_decode_grid_rule_on_an_h200():
 def test_decode_walk_takes_its_deep_ring_only_where_that_costs_no_wave():
     """The one-program decode walk's ring (TUNING["decode"]["WALK_STAGES"], WALK_PER_SM programs an
     SM) against the table's (PROGRAMS_PER_SM an SM): on an H200's 132 SMs at Qwen3-8B's 8 kv heads,
-    only batches whose walks fit the same number of waves take it (25-33 and 50-66 among those that
-    walk: below 25 a sequence's chunks split across programs)."""
+    only batches whose walks fit the same number of waves take it (13-16, 25-33 and 50-66 among those
+    that walk: 13-16 by WALK_FILL, below 25 otherwise a sequence's chunks split across programs)."""
     from lockstep.kernels._triton import attention as A
 
     cfg = A.TUNING["decode"]
