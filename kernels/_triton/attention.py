@@ -161,13 +161,13 @@ TUNING = {
     # it): batch 256 at 1k / 4k / 16k keys 0.954 / 0.957 / 0.956x (68 pairs split 4 / 5 / 5 ways),
     # batch 72 / 100 / 200 at 4k 0.914 / 0.815 / 0.922x; at batch 64 (the deeper ring's batch) the
     # split tail on the table's ring was even with the deeper walks (1k 0.97x, 4k 1.00x, 32k 1.01x)
-    # SPLIT_STAGES: a grid of splits alone (no walk) takes this deeper ring, SPLIT_PER_SM programs an
-    # SM (104 KB each at 3 stages), where its pairs still split at least 2 ways under it: batches of
-    # 1-12 at Qwen3-8B's 8 kv heads on an H200 (13-16 walk: WALK_FILL below; a chunk's page entries are loaded before its blocks,
-    # _chunk_pages, so the deeper ring takes each block's K/V loads a block further ahead). The
-    # twenty-fifth session (H200, CUDA graphs, bits equal, against the table's 2 stages and 3 an SM):
-    # batch 1 at 1k / 4k / 16k keys 1.06 / 1.10 / 1.00x, batch 16 1.10 / 1.05 / 1.02x; 4 stages (one
-    # program an SM) read 1.04 / 1.13 / 0.88x and 1.18 / 1.01 / 0.95x
+    # SPLIT_STAGES: a grid of splits alone (no walk) takes this deeper ring, SPLIT_PER_SM programs an SM
+    # (104 KB each at 3 stages), where its pairs still split at least 2 ways under it: batches of 1-12 at
+    # Qwen3-8B's 8 kv heads on an H200 (13-16 walk: WALK_FILL below; a chunk's page entries are loaded
+    # before its blocks, _chunk_pages, so the deeper ring takes each block's K/V loads a block further
+    # ahead). The twenty-fifth session (H200, CUDA graphs, bits equal, against the table's 2 stages and 3
+    # an SM): batch 1 at 1k / 4k / 16k keys 1.06 / 1.10 / 1.00x, batch 16 1.10 / 1.05 / 1.02x; 4 stages
+    # (one program an SM) read 1.04 / 1.13 / 0.88x and 1.18 / 1.01 / 0.95x
     # FLAT_STAGES: on that ring a program of several chunks folds them in one loop over their blocks
     # on a ring this deep (a block's page entries loaded in the loop), instead of a loop a chunk,
     # whose pipeline restarts at every chunk; 0: a loop a chunk (as a program of one chunk always
@@ -175,13 +175,13 @@ TUNING = {
     # session (H200, CUDA graphs, bits equal, A/B against a loop a chunk): batch 1 x 16k 1.08x, 4 / 8
     # x 4k 1.05 / 1.07x, 16 x 1k / 4k / 16k 1.05 / 1.03 / 1.01x; 4 stages (the page load takes one:
     # a ring of 2 K/V blocks) 0.94-1.00x, 6 as 5 (111 KB a program either way: 2 an SM)
-    # WALK_HALF: where that ring's grid splits each pair two ways (batch 12 at 8 kv heads on 132 SMs,
-    # 9-16 before WALK_FILL below) and the cache's longest sequence holds at least this many chunks (0: never), program 0
-    # walks the first half of the pair's chunks, merging them in registers, and program 1 stores the
-    # other half's states (_decode_chunk_kernel): half the states through memory. The thirty-fifth
-    # session (H100, ab_decode.py, CUDA graphs, bits equal, against the split two ways): batch 16 at
-    # 1k / 2k / 3k / 4k / 16k / 32k keys 0.99 / 1.008 / 1.011 / 1.016-1.018 / 1.017-1.020 / 1.020x; the
-    # walk given 7/16, 3/8 or 5/8 of the chunks instead of half: 0.98-0.99, 0.94-0.99, 0.95-0.99x
+    # WALK_HALF: where that ring's grid splits each pair two ways (batch 12 at 8 kv heads on 132 SMs, 9-16
+    # before WALK_FILL below) and the cache's longest sequence holds at least this many chunks (0: never),
+    # program 0 walks the first half of the pair's chunks, merging them in registers, and program 1 stores
+    # the other half's states (_decode_chunk_kernel): half the states through memory. The thirty-fifth
+    # session (H100, ab_decode.py, CUDA graphs, bits equal, against the split two ways): batch 16 at 1k /
+    # 2k / 3k / 4k / 16k / 32k keys 0.99 / 1.008 / 1.011 / 1.016-1.018 / 1.017-1.020 / 1.020x; the walk
+    # given 7/16, 3/8 or 5/8 of the chunks instead of half: 0.98-0.99, 0.94-0.99, 0.95-0.99x
     # WALK_FILL: where the batch's pairs fill at least this share of the SMs with one each (and no more
     # pairs than SMs: batches of 13-16 at 8 kv heads on 132 SMs), one wave of walks on the WALK_STAGES
     # ring instead of splits (0: never): no chunk state goes through memory, and no program waits on
