@@ -412,8 +412,8 @@ def test_decode_walked_half_keeps_the_bits(triton_backend, monkeypatch):
             outs[walk_half, split_per_sm, flat] = K.causal_attention(q, k_b, v_b, pos)[:, 0]
             on = 0 < walk_half <= 5 and split_per_sm > 0 and flat > 0
             assert grids[-1][:2] == (0, 2) and halves[-1] == on, (walk_half, split_per_sm, flat, grids, halves)
-    # 4 pairs fill the 4 "SMs" (3/4 would do): a wave of walks
-    monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "PROGRAMS_PER_SM": 2, "WALK_FILL": 0.75})
+    # 4 pairs fill the 4 "SMs" (72% would do): a wave of walks
+    monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "PROGRAMS_PER_SM": 2, "WALK_FILL": 0.72})
     outs["walks"] = K.causal_attention(q, k_b, v_b, pos)[:, 0]
     assert grids[-1] == (4, 1, A.TUNING["decode"]["WALK_STAGES"], 0), grids[-1]
     for key, got in outs.items():
@@ -454,14 +454,16 @@ def test_decode_grid_rule_on_an_h200():
     grid = lambda batch, keys: A._decode_grid(batch * 8, -(-keys // A.KV_CHUNK), 132, cfg)  # noqa: E731
     # one wave of splits, at most a chunk each; a program of several chunks in one loop on FLAT_STAGES' ring
     assert grid(1, 16384) == (0, 33, 3, 5) and grid(1, 1024) == (0, 4, 3, 5)
-    assert grid(12, 4096) == (0, 2, 3, 5) and grid(8, 1024) == (0, 4, 3, 5)
-    # pairs that fill at least WALK_FILL (3/4) of the SMs, one each: a wave of walks on the deeper ring
-    assert cfg["WALK_FILL"] == 0.75
-    for batch, keys in ((13, 1024), (16, 4096), (16, 32768)):  # 104 and 128 pairs: 99-132 walk
+    assert grid(11, 4096) == (0, 3, 3, 5) and grid(8, 1024) == (0, 4, 3, 5)
+    # walks, one a pair and at most WALK_PER_SM (2) an SM, that fill at least WALK_FILL (72%) of their
+    # waves of one an SM: on the deeper ring (96-132 pairs: 1 wave; 191-264: 2)
+    assert cfg["WALK_FILL"] == 0.72 and cfg["WALK_PER_SM"] == 2
+    for batch, keys in ((12, 16384), (13, 1024), (16, 4096), (16, 32768), (24, 1024), (24, 32768)):
         assert grid(batch, keys) == (batch * 8, 1, cfg["WALK_STAGES"], 0), (batch, keys)
     assert A._decode_grid(128, 16, 132, {**cfg, "WALK_FILL": 0}) == (0, 2, 3, 5)  # (0: never)
-    # more pairs than SMs, 1 a pair on the deeper ring: the table's ring, a loop a chunk (3 an SM fit)
-    assert grid(17, 4096) == (0, 2, 2, 0) and grid(20, 4096) == (0, 2, 2, 0) and grid(24, 4096) == (0, 2, 2, 0)
+    # walks that would fill less: 1 a pair on the deeper ring, or the table's ring, a loop a chunk (3
+    # an SM fit)
+    assert grid(17, 4096) == (0, 2, 2, 0) and grid(20, 4096) == (0, 2, 2, 0) and grid(23, 4096) == (0, 2, 2, 0)
     assert grid(25, 4096) == (200, 1, cfg["WALK_STAGES"], 0)
     assert grid(64, 4096) == (512, 1, cfg["WALK_STAGES"], 0)  # walks whose deeper ring costs no wave
     assert grid(128, 1024) == (1024, 1, 2, 0)  # a last wave of 232 walks: too full to split
@@ -472,8 +474,8 @@ def test_decode_grid_rule_on_an_h200():
 def test_decode_walk_takes_its_deep_ring_only_where_that_costs_no_wave():
     """The one-program decode walk's ring (TUNING["decode"]["WALK_STAGES"], WALK_PER_SM programs an
     SM) against the table's (PROGRAMS_PER_SM an SM): on an H200's 132 SMs at Qwen3-8B's 8 kv heads,
-    only batches whose walks fit the same number of waves take it (13-16, 25-33 and 50-66 among those
-    that walk: 13-16 by WALK_FILL, below 25 otherwise a sequence's chunks split across programs)."""
+    only batches whose walks fit the same number of waves take it (12-16, 24-33 and 50-66 among those
+    that walk: 12-16 and 24 by WALK_FILL, below 25 otherwise a sequence's chunks split across programs)."""
     from lockstep.kernels._triton import attention as A
 
     cfg = A.TUNING["decode"]

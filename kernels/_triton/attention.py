@@ -162,8 +162,8 @@ TUNING = {
     # batch 72 / 100 / 200 at 4k 0.914 / 0.815 / 0.922x; at batch 64 (the deeper ring's batch) the
     # split tail on the table's ring was even with the deeper walks (1k 0.97x, 4k 1.00x, 32k 1.01x)
     # SPLIT_STAGES: a grid of splits alone (no walk) takes this deeper ring, SPLIT_PER_SM programs an SM
-    # (104 KB each at 3 stages), where its pairs still split at least 2 ways under it: batches of 1-12 at
-    # Qwen3-8B's 8 kv heads on an H200 (13-16 walk: WALK_FILL below; a chunk's page entries are loaded
+    # (104 KB each at 3 stages), where its pairs still split at least 2 ways under it: batches of 1-11 at
+    # Qwen3-8B's 8 kv heads on an H200 (12-16 walk: WALK_FILL below; a chunk's page entries are loaded
     # before its blocks, _chunk_pages, so the deeper ring takes each block's K/V loads a block further
     # ahead). The twenty-fifth session (H200, CUDA graphs, bits equal, against the table's 2 stages and 3
     # an SM): batch 1 at 1k / 4k / 16k keys 1.06 / 1.10 / 1.00x, batch 16 1.10 / 1.05 / 1.02x; 4 stages
@@ -175,25 +175,26 @@ TUNING = {
     # session (H200, CUDA graphs, bits equal, A/B against a loop a chunk): batch 1 x 16k 1.08x, 4 / 8
     # x 4k 1.05 / 1.07x, 16 x 1k / 4k / 16k 1.05 / 1.03 / 1.01x; 4 stages (the page load takes one:
     # a ring of 2 K/V blocks) 0.94-1.00x, 6 as 5 (111 KB a program either way: 2 an SM)
-    # WALK_HALF: where that ring's grid splits each pair two ways (batch 12 at 8 kv heads on 132 SMs, 9-16
-    # before WALK_FILL below) and the cache's longest sequence holds at least this many chunks (0: never),
-    # program 0 walks the first half of the pair's chunks, merging them in registers, and program 1 stores
-    # the other half's states (_decode_chunk_kernel): half the states through memory. The thirty-fifth
-    # session (H100, ab_decode.py, CUDA graphs, bits equal, against the split two ways): batch 16 at 1k /
-    # 2k / 3k / 4k / 16k / 32k keys 0.99 / 1.008 / 1.011 / 1.016-1.018 / 1.017-1.020 / 1.020x; the walk
-    # given 7/16, 3/8 or 5/8 of the chunks instead of half: 0.98-0.99, 0.94-0.99, 0.95-0.99x
-    # WALK_FILL: where the batch's pairs fill at least this share of the SMs with one each (and no more
-    # pairs than SMs: batches of 13-16 at 8 kv heads on 132 SMs), one wave of walks on the WALK_STAGES
-    # ring instead of splits (0: never): no chunk state goes through memory, and no program waits on
-    # a ticket or a merge. The thirty-sixth session (H100, ab_decode.py, CUDA graphs, bits equal,
-    # against the split grids): batch 16 at 1k / 2k / 4k / 8k / 16k / 32k keys 0.903 / 0.913 / 0.917-
-    # 0.929 / 0.925 / 0.937 / 0.938x the time, 13 x 1k / 4k 0.904 / 0.942, 14 x 4k 0.930, 15 x 1k /
-    # 16k 0.893 / 0.941; where fewer SMs get a walk it lost (batch 10 at 1k / 4k 1.036 / 1.115x, 6-8
-    # 1.4-2.0x; batch 12, 73% of the SMs, 0.983 at 4k: left to the splits), and past one an SM
-    # (batches 17-24: some SMs two walks) 0.95-1.05x, left to the splits
+    # WALK_HALF: where that ring's grid splits each pair two ways (none at 8 kv heads on 132 SMs since
+    # WALK_FILL below: 9-16 before) and the cache's longest sequence holds at least this many chunks (0:
+    # never), program 0 walks the first half of the pair's chunks, merging them in registers, and program
+    # 1 stores the other half's states (_decode_chunk_kernel): half the states through memory. The thirty-
+    # fifth session (H100, ab_decode.py, CUDA graphs, bits equal, against the split two ways): batch 16 at
+    # 1k / 2k / 3k / 4k / 16k / 32k keys 0.99 / 1.008 / 1.011 / 1.016-1.018 / 1.017-1.020 / 1.020x; the
+    # walk given 7/16, 3/8 or 5/8 of the chunks instead of half: 0.98-0.99, 0.94-0.99, 0.95-0.99x
+    # WALK_FILL: where one walk a pair, at most WALK_PER_SM an SM, fills at least this share of its
+    # waves of one walk an SM (waves * SMs; batches of 12-16 and 24-33 at 8 kv heads on 132 SMs), the
+    # walks on the WALK_STAGES ring instead of splits (0: never): no chunk state goes through memory,
+    # and no program waits on a ticket or a merge. The thirty-sixth session (H100, ab_decode.py, CUDA
+    # graphs, bits equal, against the split grids): batch 16 at 1k / 2k / 4k / 8k / 16k / 32k keys
+    # 0.903 / 0.913 / 0.917-0.929 / 0.925 / 0.937 / 0.938x the time, 13 x 1k / 4k 0.904 / 0.942, 15 x
+    # 1k / 16k 0.893 / 0.941, 24 x 1k / 4k / 16k / 32k 0.969-0.979 / 0.960-0.961 / 0.949-0.953 / 0.951,
+    # 12 x 1k / 4k / 16k 0.955 / 0.983-0.991 / 1.019 (both 72.7% full); where the walks fill less it
+    # lost or tied: batch 10 at 1k / 4k 1.036 / 1.115x (61%), 6-8 1.4-2.0x, 17-18 1.02-1.05x (52-55%),
+    # 20 0.996-1.007 (61%), 22-23 0.976-1.001 (67-70%)
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
                    WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2, FLAT_STAGES=5,
-                   WALK_HALF=8, WALK_FILL=0.75),
+                   WALK_HALF=8, WALK_FILL=0.72),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
@@ -1810,7 +1811,8 @@ def _decode_grid(pairs: int, n_chunks: int, sms: int, cfg: dict) -> tuple[int, i
     """(walks, per_split, num_stages, flat_stages) of the decode grid (TUNING["decode"]: cfg) for
     `pairs` (sequence, kv head) pairs of at most n_chunks chunks: the first `walks` pairs get one
     program each, every later pair per_split programs. A wave holds PROGRAMS_PER_SM programs an SM (its slots):
-    - no more pairs than SMs, but at least WALK_FILL of them: one walk a pair, on the WALK_STAGES ring;
+    - one walk a pair where those walks, at most WALK_PER_SM an SM, fill at least WALK_FILL of their
+      waves of one walk an SM: on the WALK_STAGES ring;
     - fewer pairs than slots: each pair's chunks split across as many programs as make one wave, at
       most one a chunk (a second, part-full wave of a program's whole walk costs more than the split
       saves), on the deeper SPLIT_STAGES ring (SPLIT_PER_SM an SM) where that still splits each pair,
@@ -1825,7 +1827,8 @@ def _decode_grid(pairs: int, n_chunks: int, sms: int, cfg: dict) -> tuple[int, i
     walk = (pairs, 1, cfg["WALK_STAGES"] if deep else cfg["num_stages"], 0)
     if slots == 0:  # (0 programs an SM asks for one program a pair)
         return walk
-    if 0 < cfg["WALK_FILL"] * sms <= pairs <= sms:
+    waves = -(-pairs // sms)  # of one walk an SM
+    if 0 < cfg["WALK_FILL"] * waves * sms <= pairs and waves <= cfg["WALK_PER_SM"]:
         return walk
     if pairs <= slots:
         deep_split = min(n_chunks, cfg["SPLIT_PER_SM"] * sms // pairs)
