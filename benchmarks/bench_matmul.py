@@ -24,6 +24,8 @@ as a model's layers read theirs (each layer its own weight); pass/miss stays the
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 
 import torch
 
@@ -51,8 +53,7 @@ TARGET = 0.90  # issue 15: >= 0.90x cuBLAS for M in {1, 8, 64, 256, 1024} (goal 
 def _rotating(weights: list):
     """A function that returns the next of `weights` at each call (a captured graph's calls each
     bind the next copy)."""
-    turn = iter(range(1 << 62))
-    return lambda: weights[next(turn) % len(weights)]
+    return functools.partial(next, itertools.cycle(weights))
 
 
 def gemm_table(title: str, shapes, ours_fn) -> str:
