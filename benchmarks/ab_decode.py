@@ -8,7 +8,8 @@ so, and the times stand).
     git show REV:kernels/_triton/attention.py > OLD.py      # here; carry OLD.py to the GPU host
     python benchmarks/ab_decode.py OLD.py [CASE,...]         # default: the decode table's corners
     CASE: BxC (B requests of C keys, one query each: decode), BxCxQ (Q queries each: a paged
-    prefill of the last Q of C keys), trainN (the training forward: N packed 4,096-token sequences)
+    prefill of the last Q of C keys), either with :H for H kv heads (a TP rank's share of the 8, 4
+    query heads each; e.g. 23x4096:4), trainN (the training forward: N packed 4,096-token sequences)
 """
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def _sides(case: str, old) -> list:
         seq = 4096
         q, k, v, _, cu, scale = training_inputs(int(case[5:] or 4) * seq, seq)
         return [lambda m=m: m._varlen(q, k, v, cu, scale, seq)[0] for m in (old, NEW)]
-    batch, context, *queries = map(int, case.split("x"))
-    args = paged_inputs(batch, context, queries[0] if queries else 1)
+    shape, _, kv_heads = case.partition(":")
+    batch, context, *queries = map(int, shape.split("x"))
+    args = paged_inputs(batch, context, queries[0] if queries else 1, *([int(kv_heads)] if kv_heads else []))
     return [lambda m=m: m._paged(*args) for m in (old, NEW)]
 
 

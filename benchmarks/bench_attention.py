@@ -179,17 +179,19 @@ def training_table() -> str:
                           columns, rows)
 
 
-def paged_cache(batch: int, context: int, vllm_layout: bool = False, generator=None, page: int = PAGE):
+def paged_cache(batch: int, context: int, vllm_layout: bool = False, generator=None, page: int = PAGE,
+                kv_heads: int = KV_HEADS):
     """K/V caches of `batch` requests of `context` keys, each request's pages in random order, and
     their table. Lockstep's: the cache its vLLM backend allocates (kv_layout.py: [pages, 8, page,
     2 x 128], a slot's key beside its value) as its key and value views, the layout a rollout runs;
-    vllm_layout: vLLM's FA3 layout, two [pages, page, 8, 128] caches."""
+    vllm_layout: vLLM's FA3 layout, two [pages, page, 8, 128] caches. kv_heads: 8, or a TP rank's
+    share of them."""
     pages = batch * -(-context // page)
     r = lambda *shape: torch.randn(*shape, device="cuda", dtype=DTYPE, generator=generator)  # noqa: E731
     if vllm_layout:
-        k_cache, v_cache = r(pages, page, KV_HEADS, HEAD_DIM), r(pages, page, KV_HEADS, HEAD_DIM)
+        k_cache, v_cache = r(pages, page, kv_heads, HEAD_DIM), r(pages, page, kv_heads, HEAD_DIM)
     else:
-        k_cache, v_cache = split_kv_cache(r(*kv_cache_shape(pages, KV_HEADS, page, HEAD_DIM)))
+        k_cache, v_cache = split_kv_cache(r(*kv_cache_shape(pages, kv_heads, page, HEAD_DIM)))
     table = torch.randperm(pages, device="cuda", dtype=torch.int32, generator=generator).view(batch, -1)
     return k_cache, v_cache, table
 

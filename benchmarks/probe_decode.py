@@ -122,7 +122,7 @@ def _traced_split_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, t
     _stamp(trace, 2 + MAX_BLOCKS_C, ticket.to(tl.float32))
     if ticket + mine == n_need:
         tl.atomic_xchg(tickets + pair, 0, sem="relaxed", scope="gpu")
-        A._merge_chunk_states(part_m, part_l, part_acc, out, lse, pair, n_chunks, n_need, 0, begin, kv_head, n_heads,
+        A._merge_chunk_states(part_m, part_l, part_acc, out, lse, pair, n_chunks, n_need, begin, kv_head, n_heads,
                               GROUP, MERGE_ROWS, D)
         _stamp(trace, 3 + MAX_BLOCKS_C, 0.0)
 

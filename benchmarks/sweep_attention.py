@@ -109,13 +109,15 @@ CANDIDATES = {
 }
 
 
-def paged_inputs(batch: int, context: int, queries: int) -> tuple:
+def paged_inputs(batch: int, context: int, queries: int, kv_heads: int = KV_HEADS) -> tuple:
     """The arguments of paged_attention for `batch` requests of `context` keys (PAGE-key pages in random
     order, on the cache lockstep's vLLM backend allocates: bench_attention.paged_cache) and `queries`
-    new tokens each, seeded by the shape."""
+    new tokens each, seeded by the shape; kv_heads (8, or a TP rank's share) with HEADS // KV_HEADS
+    query heads each."""
     g = torch.Generator(device="cuda").manual_seed(batch * 7 + context)
-    k_cache, v_cache, table = paged_cache(batch, context, generator=g, page=PAGE)
-    q = torch.randn(batch * queries, HEADS, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k_cache, v_cache, table = paged_cache(batch, context, generator=g, page=PAGE, kv_heads=kv_heads)
+    q = torch.randn(batch * queries, kv_heads * (HEADS // KV_HEADS), D, device="cuda", dtype=torch.bfloat16,
+                    generator=g)
     seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * queries
     return q, k_cache, v_cache, table, seq_lens, qsl, 1 / math.sqrt(D), queries, context

@@ -388,30 +388,23 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
             assert one_chunk[-1] == (chunks <= 4), (n, one_chunk)
 
 
-def test_decode_walked_half_keeps_the_bits(triton_backend, monkeypatch):
-    """A pair split two ways (WALK_HALF): program 0 walks the first half of its chunks, merging them
-    in registers, and the merge starts from that state. Every decoded row keeps training's bits, and
-    the interleaved split's, at odd and even chunk counts (1-5 chunks of the fixture's 32 keys; program
-    1's in one loop over their blocks), on the deeper split ring (FLAT_STAGES), from WALK_HALF chunks
-    in the cache's longest sequence; the table's ring (where a walk beside the splits would take the
-    registers of a third program an SM) splits as before. Pairs that fill WALK_FILL of the SMs, one
-    each, walk whole instead (one program a pair, its chunks merged in registers): the same bits."""
+def test_decode_split_two_ways_and_a_wave_of_walks_keep_the_bits(triton_backend, monkeypatch):
+    """Pairs split two ways: each program's chunks stored, interleaved, and merged in chunk order.
+    Every decoded row keeps training's bits at odd and even chunk counts (1-5 chunks of the fixture's
+    32 keys), on the deeper split ring (a program's chunks in one loop over their blocks, FLAT_STAGES,
+    or a loop a chunk) and on the table's. Pairs that fill WALK_FILL of the SMs, one each, walk whole
+    instead (one program a pair, its chunks merged in registers): the same bits."""
     A = triton_backend
     lens = [64, 20, 160, 96]  # 4 single-query sequences at one kv head: 2, 1, 5 and 3 chunks
     q, train, k_b, v_b, pos = _last_queries(lens)
     grids = _recorded_decode_grids(A, monkeypatch)
-    halves = _recorded_decode_flags(A, monkeypatch, "WALK_HALF")
     outs = {}
     # (4 pairs on the interpreter's 4 "SMs": 2 programs a pair either way)
-    # (WALK_HALF: from that many chunks in the cache's longest sequence, 0 never; these hold 5)
-    for walk_half in (0, 1, 5, 6):
-        for split_per_sm, flat in ((2, 5), (2, 4), (2, 0), (0, 0)):
-            monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "PROGRAMS_PER_SM": 2,
-                                                     "SPLIT_PER_SM": split_per_sm, "FLAT_STAGES": flat,
-                                                     "WALK_HALF": walk_half, "WALK_FILL": 0})
-            outs[walk_half, split_per_sm, flat] = K.causal_attention(q, k_b, v_b, pos)[:, 0]
-            on = 0 < walk_half <= 5 and split_per_sm > 0 and flat > 0
-            assert grids[-1][:2] == (0, 2) and halves[-1] == on, (walk_half, split_per_sm, flat, grids, halves)
+    for split_per_sm, flat in ((2, 5), (2, 4), (2, 0), (0, 0)):
+        monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "PROGRAMS_PER_SM": 2,
+                                                 "SPLIT_PER_SM": split_per_sm, "FLAT_STAGES": flat, "WALK_FILL": 0})
+        outs[split_per_sm, flat] = K.causal_attention(q, k_b, v_b, pos)[:, 0]
+        assert grids[-1][:2] == (0, 2), (split_per_sm, flat, grids)
     # 4 pairs fill the 4 "SMs" (72% would do): a wave of walks
     monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "PROGRAMS_PER_SM": 2, "WALK_FILL": 0.72})
     outs["walks"] = K.causal_attention(q, k_b, v_b, pos)[:, 0]
@@ -536,29 +529,26 @@ dq_gluon, dq_gluon_q_regs = (compile_sm90(A._bwd_dq_ws_kernel, lambda n: "i32" i
 cfg = A.TUNING["decode"]
 # (grids of splits only, of walks only (" in registers"; " deep": on the walk's ring) and of both)
 kinds = {"": (False, True), " in registers": (True, False), " mixed": (True, True)}
-# (a program's several chunks in one loop, and a pair's walked half: the deeper split ring's alone)
-split = dict(FLAT_STAGES=0)
+split = dict(FLAT_STAGES=0)  # (a program's several chunks in one loop: the deeper split ring's alone)
 decode = {f"{'swapped' if swap else 'padded'}{kind}{' deep' if deep else ''}":
           compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=16 if swap else cfg["MIN_ROWS"], MERGE_ROWS=4,
                        WALKS=kinds[kind][0], SPLITS=kinds[kind][1], FROM_LENS=True, PREFETCH=cfg["PREFETCH"],
-                       SWAP=swap, PAGE_SHIFT=A.decode_page_shift(16), WALK_HALF=False, ONE_CHUNK=False, **common,
-                       **split),
+                       SWAP=swap, PAGE_SHIFT=A.decode_page_shift(16), ONE_CHUNK=False, **common, **split),
                        cfg["num_warps"],
                        cfg["WALK_STAGES" if deep else "num_stages"])
           for swap in (True, False) for kind in kinds
           for deep in ((False, True) if swap and kind == " in registers" else (False,))}
-# a grid of splits alone on its deeper ring (" halves": of pairs split two ways, the first half walked;
-# " one chunk": of sequences of no more chunks than a pair has programs; ", one page a row": over a
-# linear K/V, whose one-entry page table the launch specialises as the constant 1)
-for name, variant in (("swapped split deep", {}), ("swapped split deep halves", dict(WALK_HALF=cfg["WALK_HALF"] > 0)),
-                      ("swapped split deep one chunk", dict(ONE_CHUNK=True)),
+# a grid of splits alone on its deeper ring (" one chunk": of sequences of no more chunks than a pair has
+# programs; ", one page a row": over a linear K/V, whose one-entry page table the launch specialises as
+# the constant 1)
+for name, variant in (("swapped split deep", {}), ("swapped split deep one chunk", dict(ONE_CHUNK=True)),
                       ("swapped split deep, one page a row", dict(PAGE_SHIFT=A.decode_page_shift(1 << 30),
                                                                   table_width=1))):
     decode[name] = compile_sm90(
         A._decode_chunk_kernel, types, {**dict(ROWS=16, MERGE_ROWS=4, WALKS=False, SPLITS=True, FROM_LENS=True,
                                                PREFETCH=cfg["PREFETCH"], SWAP=True, PAGE_SHIFT=A.decode_page_shift(16),
-                                               FLAT_STAGES=cfg["FLAT_STAGES"], WALK_HALF=False, ONE_CHUNK=False,
-                                               **common), **variant},
+                                               FLAT_STAGES=cfg["FLAT_STAGES"], ONE_CHUNK=False, **common),
+                                            **variant},
         cfg["num_warps"], cfg["SPLIT_STAGES"])
 print(json.dumps([prefill, linear, gluon, gluon_q_regs, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, dq_gluon_q_regs,
                   decode]))
@@ -600,12 +590,11 @@ def test_decode_and_prefill_multiply_with_wgmma():
                                                                                                         dq)
     # ... and with q and dO in registers (GLUON_Q_REGS: the A operands of its q.k and dO.v wgmmas)
     assert dq_gluon_q_regs["mma"] == dq["mma"] and dq_gluon_q_regs["spill_bytes"] == 0, dq_gluon_q_regs
-    # no swapped decode kernel (the table's) spills; the padded ones hold 64-row tiles at the 255-register
-    # limit, and the padded grids that hold a walk beside splits (the mixed one; the split one's walked
-    # half, WALK_HALF) spill 24-28 bytes (probed)
+    # no decode kernel spills: the swapped ones (the table's), nor the padded ones, whose 64-row tiles
+    # hold up to the 255-register limit (the mixed grid, a walk beside splits: 255, probed)
     for name, d in decode.items():
         assert {version for version, _ in d["mma"]} == {"3"}, f"decode ({name}) MMAs {d['mma']}"
-        assert d["spill_bytes"] <= (0 if name.startswith("swapped") else 32), (name, d)
+        assert d["spill_bytes"] == 0, (name, d)
     for name in ("padded", "padded in registers"):
         assert decode[name]["mma"] == prefill["mma"], f"prefill MMAs {prefill['mma']} != decode ({name}) {decode[name]['mma']}"
     # the programs an SM that the decode grid and the walk's ring rule count on are what fits, in
@@ -613,8 +602,7 @@ def test_decode_and_prefill_multiply_with_wgmma():
     cfg, per_block = A.TUNING["decode"], 227 * 1024
     for name, per_sm in (("swapped", "PROGRAMS_PER_SM"), ("swapped in registers", "PROGRAMS_PER_SM"),
                          ("swapped in registers deep", "WALK_PER_SM"), ("swapped mixed", "PROGRAMS_PER_SM"),
-                         ("swapped split deep", "SPLIT_PER_SM"), ("swapped split deep halves", "SPLIT_PER_SM"),
-                         ("swapped split deep one chunk", "SPLIT_PER_SM")):
+                         ("swapped split deep", "SPLIT_PER_SM"), ("swapped split deep one chunk", "SPLIT_PER_SM")):
         assert decode[name]["mma"] == [["3", "[16, 16, 16]"]], (name, decode[name])
         assert decode[name]["regs"] * 32 * cfg["num_warps"] * cfg[per_sm] <= 65536, (name, decode[name])
     assert per_block // decode["swapped"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode["swapped"]
@@ -622,7 +610,6 @@ def test_decode_and_prefill_multiply_with_wgmma():
     assert per_block // decode["swapped mixed"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode
     assert per_block // decode["swapped in registers deep"]["shared_bytes"] == cfg["WALK_PER_SM"], decode
     assert per_block // decode["swapped split deep"]["shared_bytes"] == cfg["SPLIT_PER_SM"], decode
-    assert per_block // decode["swapped split deep halves"]["shared_bytes"] == cfg["SPLIT_PER_SM"], decode
     assert per_block // decode["swapped split deep one chunk"]["shared_bytes"] == cfg["SPLIT_PER_SM"], decode
     # the prefill tile holds the next block's K/V in registers (TUNING["prefill"]["PREFETCH"]): the
     # measured winner spills 8 bytes on packed sequences and 68 on the paged layout (probed here);
@@ -839,10 +826,10 @@ def test_gpu_paged_prefill_takes_the_gluon_forward_with_the_training_bits(gpu_tr
 @pytest.mark.gpu
 @pytest.mark.parametrize("swap", [True, False], ids=["swapped", "padded"])
 @pytest.mark.parametrize("per_sm,walk_stages,split_per_sm,flat_stages",
-                         [(16, None, 16, None), (16, None, 16, 0), (16, None, 0, None), (16, None, "halves", None),
+                         [(16, None, 16, None), (16, None, 16, 0), (16, None, 0, None), (16, None, "two-ways", None),
                           (16, None, "one-chunk", None), (0, None, None, None), (0, 2, None, None),
                           (None, None, None, None)],
-                         ids=["split", "split-a-loop-a-chunk", "split-2-stages", "split-halves", "split-one-chunk",
+                         ids=["split", "split-a-loop-a-chunk", "split-2-stages", "split-two-ways", "split-one-chunk",
                               "one-program", "one-program-2-stages", "walks-and-split-tail"])
 def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, per_sm, walk_stages, split_per_sm,
                                                  flat_stages):
@@ -852,15 +839,15 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
     table's WALK_STAGES deep, as the ~50 x 8 walks here take it, or 2), or both in one grid (a wave's
     slots fewer than the pairs: the last wave's pairs split): each decoded token's output equals its
     training output, bit for bit, at positions across blocks and chunks. A grid of splits alone runs
-    on the SPLIT_STAGES ring, or (SPLIT_PER_SM 0) on the table's; "halves": as many an SM as split
-    each pair two ways on the SPLIT_STAGES ring, its first half walked by one program (WALK_HALF);
+    on the SPLIT_STAGES ring, or (SPLIT_PER_SM 0) on the table's; "two-ways": as many an SM as split
+    each pair two ways on the SPLIT_STAGES ring (each program's 6 chunks in one loop, interleaved);
     "one-chunk": as many as give each chunk a program (the kernel built for that, ONE_CHUNK)."""
     from lockstep.kernels._triton import attention as A
 
     cfg = {**A.TUNING["decode"], "SWAP": swap, "PROGRAMS_PER_SM": per_sm}
     if walk_stages is not None:
         cfg["WALK_STAGES"] = walk_stages
-    if split_per_sm is not None and split_per_sm not in ("halves", "one-chunk"):
+    if split_per_sm is not None and split_per_sm not in ("two-ways", "one-chunk"):
         cfg["SPLIT_PER_SM"] = split_per_sm
     if flat_stages is not None:
         cfg["FLAT_STAGES"] = flat_stages
@@ -882,8 +869,8 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
     sms, pairs = torch.cuda.get_device_properties(0).multi_processor_count, len(picks) * 8
     if per_sm is None:
         cfg.update(PROGRAMS_PER_SM=pairs // sms, WALK_PER_SM=1, SPLIT_TAIL=True)
-    if split_per_sm == "halves":
-        cfg.update(SPLIT_PER_SM=-(-2 * pairs // sms), WALK_HALF=1)
+    if split_per_sm == "two-ways":
+        cfg.update(SPLIT_PER_SM=-(-2 * pairs // sms))
     if split_per_sm == "one-chunk":
         cfg.update(SPLIT_PER_SM=-(-12 * pairs // sms))
     monkeypatch.setitem(A.TUNING, "decode", cfg)
@@ -893,7 +880,7 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
         assert 0 < walks < pairs and per_split > 1 and not flat, (walks, per_split, pairs, flat)
     elif per_sm:
         assert walks == 0 and 1 < per_split <= 12, (walks, per_split)  # the longest: several chunks a program, or one
-        assert (per_split == 2) == (split_per_sm == "halves"), per_split
+        assert (per_split == 2) == (split_per_sm == "two-ways"), per_split
         assert (per_split == 12) == (split_per_sm == "one-chunk"), per_split  # (12 chunks: one a program)
         assert stages == cfg["SPLIT_STAGES" if split_per_sm else "num_stages"], stages
         assert flat == (cfg["FLAT_STAGES"] if split_per_sm else 0), flat

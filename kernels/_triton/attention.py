@@ -175,13 +175,6 @@ TUNING = {
     # session (H200, CUDA graphs, bits equal, A/B against a loop a chunk): batch 1 x 16k 1.08x, 4 / 8
     # x 4k 1.05 / 1.07x, 16 x 1k / 4k / 16k 1.05 / 1.03 / 1.01x; 4 stages (the page load takes one:
     # a ring of 2 K/V blocks) 0.94-1.00x, 6 as 5 (111 KB a program either way: 2 an SM)
-    # WALK_HALF: where that ring's grid splits each pair two ways (none at 8 kv heads on 132 SMs since
-    # WALK_FILL below: 9-16 before) and the cache's longest sequence holds at least this many chunks (0:
-    # never), program 0 walks the first half of the pair's chunks, merging them in registers, and program
-    # 1 stores the other half's states (_decode_chunk_kernel): half the states through memory. The thirty-
-    # fifth session (H100, ab_decode.py, CUDA graphs, bits equal, against the split two ways): batch 16 at
-    # 1k / 2k / 3k / 4k / 16k / 32k keys 0.99 / 1.008 / 1.011 / 1.016-1.018 / 1.017-1.020 / 1.020x; the
-    # walk given 7/16, 3/8 or 5/8 of the chunks instead of half: 0.98-0.99, 0.94-0.99, 0.95-0.99x
     # WALK_FILL: where one walk a pair, at most WALK_PER_SM an SM, fills at least this share of its
     # waves of one walk an SM (waves * SMs; batches of 12-16 and 24-33 at 8 kv heads on 132 SMs), the
     # walks on the WALK_STAGES ring instead of splits (0: never): no chunk state goes through memory,
@@ -194,7 +187,7 @@ TUNING = {
     # 20 0.996-1.007 (61%), 22-23 0.976-1.001 (67-70%)
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
                    WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2, FLAT_STAGES=5,
-                   WALK_HALF=8, WALK_FILL=0.72),
+                   WALK_FILL=0.72),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
@@ -478,7 +471,7 @@ def _merge(m, l, acc, m_c, l_c, acc_c, SWAP: tl.constexpr):
 def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, qk_scale, k_desc, v_desc,
                desc_row, desc_col, ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr,
                KV_CHUNK: tl.constexpr, PREFETCH: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
-               PAGE_SHIFT: tl.constexpr = -1, STAGES: tl.constexpr = None):
+               PAGE_SHIFT: tl.constexpr = -1):
     """State of rows `q` (positions `pos`, largest `hi`) over all their keys, merged chunk by chunk:
     _chunk_state's folds and _merge's chunk merges in one software-pipelined loop over the blocks (a
     loop per chunk would restart the pipeline at every chunk). The chunk state folds blocks in
@@ -490,9 +483,7 @@ def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, 
     its head at column desc_col): every block before the last, whose keys all lie at or before
     `hi`, comes whole through a TMA descriptor (the pipeliner's asynchronous copies into shared
     memory, where the MMA reads it); the last block as without TMA, its keys past `hi` masked to
-    zeros. Every block's K/V hold the same values either way.
-    STAGES (speed only; neither TMA nor PREFETCH): the block loop's ring (tl.range's num_stages: its
-    page-entry loads pipelined too); None: the kernel's num_stages."""
+    zeros. Every block's K/V hold the same values either way."""
     m, _, acc = _empty_state(ROWS, D, SWAP)
     l = tl.zeros((ROWS,), tl.float32)  # the running state's row sums: a vector (a chunk's are its dot's tile)
     m_c, l_c, acc_c = _empty_state(ROWS, D, SWAP)
@@ -513,7 +504,7 @@ def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, 
     if PREFETCH:
         kb_n, vb_n, key_n = _block_kv(k, v, page_row, 0, hi, page_size, stride_page, stride_slot, KV_BLOCK, D,
                                       PAGE_SHIFT)
-    for blk in tl.range(0, last + 1, num_stages=STAGES):
+    for blk in range(0, last + 1):
         if PREFETCH:  # this block's K/V were loaded into registers during the last block; the next's now
             kb, vb, key_pos = kb_n, vb_n, key_n
             kb_n, vb_n, key_n = _block_kv(k, v, page_row, blk + 1, hi, page_size, stride_page, stride_slot,
@@ -604,10 +595,10 @@ def _split_states(q, pos, hi, chunk0, stride, mine, k, v, page_row, page_size, s
                   part_m, part_l, part_acc, first, keep, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr,
                   STAGES: tl.constexpr):
-    """A split program's `mine` chunks chunk0, chunk0 + stride, ... (program p of P: p, P; a walked
-    half's second program: the half's first, 1) in one pipelined loop over their blocks, each chunk's
-    state folded from empty and stored at its last block (or the last that holds keys):
-    _chunk_state's operations in its order, without a pipeline restart at every chunk."""
+    """A split program's `mine` chunks chunk0, chunk0 + stride, ... (program p of P: p, P) in one
+    pipelined loop over their blocks, each chunk's state folded from empty and stored at its last
+    block (or the last that holds keys): _chunk_state's operations in its order, without a pipeline
+    restart at every chunk."""
     BLOCKS: tl.constexpr = KV_CHUNK // KV_BLOCK
     last = chunk0 + (mine - 1) * stride  # only the sequence's last chunk can end before its last block
     n_blocks = (mine - 1) * BLOCKS + (tl.minimum(hi - last * KV_CHUNK, KV_CHUNK - 1) // KV_BLOCK + 1)
@@ -624,13 +615,11 @@ def _split_states(q, pos, hi, chunk0, stride, mine, k, v, page_row, page_size, s
 
 
 @triton.jit
-def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, c0, begin, kv_head, n_heads,
+def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
                         GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr):
-    """Split pair `tail`'s chunk states c0 .. n_need - 1 merged in chunk order into an empty state and
-    its rows stored (by the last of the pair's programs); state c0 may be the merged state of chunks
-    0 .. c0 (a walked half): merged into the empty state, a state comes out as it went in (its factor
-    is exp2(0) = 1, the empty state's exp2(-inf) = 0), so either way this is the chain of merges from
-    chunk 0. The merge is elementwise per row: only the group's real rows (a power of two >= GROUP)."""
+    """The n_need chunk states of split pair `tail` merged in chunk order and its rows stored (by the
+    last of the pair's programs). The merge is elementwise per row: only the group's real rows (a
+    power of two >= GROUP)."""
     g = tl.arange(0, MERGE_ROWS)
     tok_g, head_g = _rows(g, begin, 1, kv_head, GROUP)
     first_g = (tail * n_chunks).to(tl.int64) * GROUP + g % GROUP
@@ -646,7 +635,7 @@ def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_ne
     # ab_decode.py, bits equal); in that session's probes the merge cost ~80 ns a state whether its
     # loads or its arithmetic were taken out, and alone (the thirty-fifth, benchmarks/probe_merge.py)
     # ~190 ns, a chain of latencies: a two-pass form that halves that alone gained 2% here, not kept
-    for c_step in range(c0, n_need, _MERGE_AHEAD):
+    for c_step in range(0, n_need, _MERGE_AHEAD):
         for i in tl.static_range(_MERGE_AHEAD):
             c = c_step + i
             at = first_g + c * GROUP
@@ -666,16 +655,15 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          MERGE_ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                          WALKS: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
                          FROM_LENS: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr,
-                         FLAT_STAGES: tl.constexpr, WALK_HALF: tl.constexpr, ONE_CHUNK: tl.constexpr):
+                         FLAT_STAGES: tl.constexpr, ONE_CHUNK: tl.constexpr):
     """Single-query sequences, each (sequence, kv head) pair's rows the group's query heads. A grid
     with splits is 1-D: programs 0 .. n_walks - 1 walk pairs 0 .. n_walks - 1 whole, and each later
     pair is split across per_split programs (P); a grid of walks only is (1, kv heads, sequences). A
     walk runs as a prefill tile does (_row_state: its chunk states merged in registers, the same
     operations in the same order). Split program p of a pair stores the states of chunks p, p + P,
-    p + 2P, ... (WALK_HALF, P = 2: program 0 the merged state of the first half, program 1 the rest's);
-    the last of the pair's programs to finish merges the states in chunk order and stores the rows
-    (one launch per decode step). Which program computes a chunk, and how the walks and splits share
-    the grid, move no bit. The launcher sets n_walks and P from the batch,
+    p + 2P, ...; the last of the pair's programs to finish merges every chunk's state in chunk order
+    and stores the rows (one launch per decode step). Which program computes a chunk, and how the
+    walks and splits share the grid, move no bit. The launcher sets n_walks and P from the batch,
     never the cache length, so a grid sized for the longest sequence (a CUDA graph's) costs no idle
     programs. WALKS / SPLITS: whether the grid holds any walk / any split (a kernel of one kind holds
     only its path). SWAP: the tile's dots run with their operands swapped (_fold_block): the group's
@@ -739,55 +727,31 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
         # chunk: the one loop's in-loop store takes shared memory (78 KB a program against 71.7 at 2-3
         # stages), two programs an SM instead of three (0.91-0.97x the sixteenth session's kernel at
         # batch 16-64 in an A/B)
-        # WALK_HALF (a grid of pairs split two ways on the deeper split ring, FLAT_STAGES): program 0 walks
-        # the first half of its pair's chunks as a walk does, merging them in registers (_row_state), and
-        # stores that one state where the half's last chunk's would go; program 1 folds the other half's
-        # chunks in one loop (_split_states). The merge starts from the half's state: the same chain of
-        # merges, about half the chunk states through memory. A kernel of its own (the grid says when),
-        # so that the other grids' kernels hold no walk: with one, their split programs ran 0.91-0.98x
-        # at batch 1 though none of them walked (the thirty-fifth session, H100). Else program p takes
-        # chunks p, p + P, p + 2P, ...
-        if WALK_HALF:
-            half = (n_need + 1) // 2
-            if p == 0:
-                m, l, acc = _row_state(q_tile, pos, tl.minimum(hi, half * KV_CHUNK - 1), k, v, page_row, page_size,
-                                       stride_page, stride_slot, qk_scale, None, None, 0, 0, ROWS, D, KV_BLOCK,
-                                       KV_CHUNK, PREFETCH, SWAP, False, PAGE_SHIFT, FLAT_STAGES)
-                _store_chunk_state(part_m, part_l, part_acc, first + (half - 1) * GROUP, keep, m, l, acc, D, SWAP)
-                mine = half
-            else:
-                mine = n_need - half
-                _split_states(q_tile, pos, hi, half, 1, mine, k, v, page_row, page_size, stride_page, stride_slot,
-                              qk_scale, part_m, part_l, part_acc, first, keep, GROUP, ROWS, D, KV_BLOCK, KV_CHUNK,
-                              SWAP, PAGE_SHIFT, FLAT_STAGES)
-            c0 = half - 1
+        if ONE_CHUNK:  # a kernel without the paths of several chunks a program: the thirty-fifth session
+            # (H100, ab_decode.py, CUDA graphs, bits equal), batch 1 at 1k / 4k 1.016 / 1.012-1.026x,
+            # 2 x 4k 1.027x (that code, never run there, took their programs longer)
+            mine = 1
         else:
-            if ONE_CHUNK:  # a kernel without the paths of several chunks a program: the thirty-fifth session
-                # (H100, ab_decode.py, CUDA graphs, bits equal), batch 1 at 1k / 4k 1.016 / 1.012-1.026x,
-                # 2 x 4k 1.027x (that code, never run there, took their programs longer)
-                mine = 1
-            else:
-                mine = (n_need - 1 - p) // per_split + 1
-            if (FLAT_STAGES and not ONE_CHUNK) and (mine > 1):
-                _split_states(q_tile, pos, hi, p, per_split, mine, k, v, page_row, page_size, stride_page,
-                              stride_slot, qk_scale, part_m, part_l, part_acc, first, keep, GROUP, ROWS, D, KV_BLOCK,
-                              KV_CHUNK, SWAP, PAGE_SHIFT, FLAT_STAGES)
-            else:
-                m, l, acc = _chunk_state(q_tile, pos, hi, p, k, v, page_row, page_size, stride_page, stride_slot,
-                                         qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT, first_pages)
-                _store_chunk_state(part_m, part_l, part_acc, first + p * GROUP, keep, m, l, acc, D, SWAP)
-                if not ONE_CHUNK:
-                    for chunk in range(p + per_split, n_need, per_split):
-                        m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page,
-                                                 stride_slot, qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT)
-                        _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, l, acc, D, SWAP)
-            c0 = 0
+            mine = (n_need - 1 - p) // per_split + 1
+        if (FLAT_STAGES and not ONE_CHUNK) and (mine > 1):
+            _split_states(q_tile, pos, hi, p, per_split, mine, k, v, page_row, page_size, stride_page,
+                          stride_slot, qk_scale, part_m, part_l, part_acc, first, keep, GROUP, ROWS, D, KV_BLOCK,
+                          KV_CHUNK, SWAP, PAGE_SHIFT, FLAT_STAGES)
+        else:
+            m, l, acc = _chunk_state(q_tile, pos, hi, p, k, v, page_row, page_size, stride_page, stride_slot,
+                                     qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT, first_pages)
+            _store_chunk_state(part_m, part_l, part_acc, first + p * GROUP, keep, m, l, acc, D, SWAP)
+            if not ONE_CHUNK:
+                for chunk in range(p + per_split, n_need, per_split):
+                    m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page,
+                                             stride_slot, qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT)
+                    _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, l, acc, D, SWAP)
         tl.debug_barrier()  # every thread's stores precede the release
         ticket = tl.atomic_add(tickets + tail, mine, sem="acq_rel", scope="gpu")
         if ticket + mine == n_need:  # this program stored the last of the chunk states
             tl.atomic_xchg(tickets + tail, 0, sem="relaxed", scope="gpu")  # _tickets.py
-            _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, c0, begin, kv_head,
-                                n_heads, GROUP, MERGE_ROWS, D)
+            _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
+                                GROUP, MERGE_ROWS, D)
 
 
 # ---- the forward, warp-specialised (Gluon) ---------------------------------------------------------
@@ -1796,7 +1760,6 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
         ROWS=decode_rows(group, d), MERGE_ROWS=triton.next_power_of_2(group), D=d, KV_BLOCK=KV_BLOCK,
         KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"], FROM_LENS=queries.from_lens,
         SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size), FLAT_STAGES=flat_stages,
-        WALK_HALF=bool(flat_stages and per_split == 2 and n_chunks >= cfg["WALK_HALF"] > 0),
         ONE_CHUNK=bool(split and n_chunks <= per_split), num_warps=cfg["num_warps"], num_stages=stages)
 
 
