@@ -58,10 +58,10 @@ SWAPPED_GLUON_CONFIGS = [G(64, rows, 1, 4, stages, swap_ab=True, warp_specialize
 
 
 def _gluon(block_n: int, stages: int, in_flight: int = 1, group_m: int = 8, accumulators: int = 1,
-           tma_store: bool = False) -> G:
+           tma_store: bool = False, siblings: bool = False) -> G:
     """The warp-specialised Gluon tree (splitk_ws.py): 128-row tiles, two consumers of 64 rows."""
     return G(128, block_n, group_m, 4, stages, warp_specialize=True, gluon=True, wgmma_in_flight=in_flight,
-             accumulators=accumulators, tma_store=tma_store)
+             accumulators=accumulators, tma_store=tma_store, siblings=siblings)
 
 
 # 128 x 256 tiles and 6 stages of 128 x 128 fit beside a tree's pending quads only for <= 4 chunks
@@ -76,7 +76,10 @@ GLUON_CONFIGS = [_gluon(128, 4, 0), _gluon(128, 4), _gluon(128, 5), _gluon(128, 
                  # the tile written through shared memory by a TMA store left in flight (as many stages as fit)
                  _gluon(128, 6, tma_store=True), _gluon(256, 3, tma_store=True), _gluon(96, 7, tma_store=True),
                  _gluon(192, 4, tma_store=True), _gluon(64, 7, accumulators=2, tma_store=True),
-                 _gluon(128, 4, tma_store=True), _gluon(128, 4, accumulators=2, tma_store=True)]
+                 _gluon(128, 4, tma_store=True), _gluon(128, 4, accumulators=2, tma_store=True),
+                 # sibling chunks step by step (a drain every two chunks, one accumulator's registers)
+                 _gluon(128, 4, tma_store=True, siblings=True), _gluon(128, 5, siblings=True),
+                 _gluon(64, 8, siblings=True), _gluon(64, 7, tma_store=True, siblings=True)]
 WHOLE_TREE_CONFIGS = [G(128, 128, 8, 8, 4), G(128, 128, 8, 8, 3), G(64, 256, 8, 8, 4), G(64, 128, 8, 4, 4),
                       G(128, 64, 8, 4, 4), *GLUON_CONFIGS]
 
@@ -143,6 +146,7 @@ def main() -> None:
                 key = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm, kind, cfg.group_m,
                        split or "auto", *((f"{cfg.steps_per_stage}steps",) if cfg.steps_per_stage > 1 else ()),
                        *((f"{cfg.accumulators}acc",) if cfg.accumulators > 1 else ()),
+                       *(("sib",) if cfg.siblings else ()),
                        *(("tma",) if cfg.tma_store else ()))
                 if args.match and not any(part in str(key) for part in args.match.split(",")):
                     continue

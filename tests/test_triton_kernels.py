@@ -310,6 +310,14 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
             replace(gluon, **bad)
     with pytest.raises(ValueError, match="accumulators is 1, or 2"):
         replace(swapped_gluon, accumulators=2)
+    # siblings: the unswapped Gluon tree's schedule, one accumulator's registers, power-of-two tiles,
+    # wgmmas in flight; the tl kernel runs its tile without it
+    assert mc.tl_tile(replace(gluon, block_n=64, siblings=True)) == replace(ws, block_n=64)
+    for bad in (dict(accumulators=2), dict(block_n=96), dict(wgmma_in_flight=0)):
+        with pytest.raises(ValueError, match="siblings is the unswapped Gluon tree's schedule"):
+            replace(gluon, siblings=True, **bad)
+    with pytest.raises(ValueError, match="siblings is the unswapped Gluon tree's schedule"):
+        replace(swapped_gluon, siblings=True)
     # the row tree's swapped Gluon subtrees run as the tl kernel's tile in the interpreter: the same bits
     tl_swapped = mc.tl_tile(swapped_gluon)
     for split in (1, 2, 4):
@@ -712,8 +720,9 @@ def test_gpu_gluon_row_tree_schedules_give_the_tl_bits(k):
     """The row tree's Gluon schedules give the tl kernel's bits on the same tiles: the swapped
     subtrees of swap_ws.py (two accumulators over the chunks, slots of 1 or 2 K steps, 64 or 128
     weight rows, 64 or 128 rows of x, the ticketed join at a split) at decode sizes, every split and a TP rank's chunk
-    counts; the unswapped tree with two accumulators a consumer (64- and 128-column tiles), and with
-    its tiles leaving by TMA store (bf16 out; a TP rank's fp32 roots where they fit); and a swapped
+    counts; the unswapped tree with two accumulators a consumer (64- and 128-column tiles), with
+    sibling chunks step by step (GemmConfig.siblings), and with its tiles leaving by TMA store (bf16
+    out; a TP rank's fp32 roots where they fit); and a swapped
     split captured in a CUDA graph, replayed (each tile's tickets left at zero for the next replay)."""
     from dataclasses import replace
 
@@ -728,9 +737,11 @@ def test_gpu_gluon_row_tree_schedules_give_the_tl_bits(k):
     wide = replace(swapped, block_n=128, num_stages=4)  # 128 weight rows: two wgmmas a step
     rows128 = replace(one_step, block_m=128)  # up to 128 rows of x a tile (the 65-128-row bucket)
     plain = GemmConfig(64, 128, 8, 4, 4)  # the tl kernel's unswapped tile
-    alternating = [GemmConfig(128, n, 8, 4, stages, warp_specialize=True, gluon=True, accumulators=acc, tma_store=tma)
-                   for n, stages, acc, tma in ((64, 8, 2, False), (128, 4, 2, False), (64, 7, 2, True),
-                                               (128, 4, 1, True))]
+    alternating = [GemmConfig(128, n, 8, 4, stages, warp_specialize=True, gluon=True, accumulators=acc, tma_store=tma,
+                              siblings=sib)
+                   for n, stages, acc, tma, sib in ((64, 8, 2, False, False), (128, 4, 2, False, False),
+                                                    (64, 7, 2, True, False), (128, 4, 1, True, False),
+                                                    (128, 4, 1, True, True), (64, 8, 1, False, True))]
     for chunks in (8, 4, 2, 1):
         xs, ws = x[:, :chunks * chunk].contiguous(), w[:, :chunks * chunk].contiguous()
         dtype = BF16 if chunks == 8 else torch.float32  # unsharded: rounded; a TP rank's root: fp32

@@ -66,6 +66,14 @@ class GemmConfig:
     # spills 256 bytes a thread).
     # (The swapped Gluon kernel, swap_ws.py, always alternates: its accumulators are small.)
     accumulators: int = 1
+    # The row-parallel tree's unswapped Gluon consumer (splitk_ws.py): sibling chunks 2i and 2i + 1
+    # multiplied step by step, alternately, into two accumulators and joined once both finish, so
+    # that a consumer drains its wgmmas every two chunks instead of every chunk, holding no more than
+    # one accumulator and its two pending subtrees would (the pair's left holder is the first
+    # sibling's accumulator). Only the schedule: each chunk's product is the same sum from zero over
+    # its steps in ascending k, the tree the same. Needs wgmma_in_flight=1, one accumulator and a
+    # block_n that is a power of two; a one-chunk product (`linear`'s) ignores it.
+    siblings: bool = False
     # The unswapped Gluon consumer (splitk_ws.py) writes each finished tile to shared memory and leaves
     # it to a TMA store it does not wait for, so the next tile's wgmmas overlap the write (False: a
     # store from registers, which the consumer issues before its next tile). Only where the two
@@ -94,6 +102,10 @@ class GemmConfig:
                 self.gluon and not self.swap_ab and self.wgmma_in_flight == 1 and self.block_n in (16, 32, 64, 128))):
             raise ValueError(f"{self}: accumulators is 1, or 2 for an unswapped Gluon tile (gluon=True) of block_n "
                              "16-128 (two more accumulators a consumer) with its wgmmas in flight (wgmma_in_flight=1)")
+        if self.siblings and not (self.gluon and not self.swap_ab and self.wgmma_in_flight == 1
+                                  and self.accumulators == 1 and self.block_n & (self.block_n - 1) == 0):
+            raise ValueError(f"{self}: siblings is the unswapped Gluon tree's schedule (gluon=True, swap_ab=False) with "
+                             "its wgmmas in flight (wgmma_in_flight=1), one accumulator and a power-of-two block_n")
         if self.tma_store and not (self.gluon and not self.swap_ab):
             raise ValueError(f"{self}: tma_store is the unswapped Gluon consumer's epilogue (gluon=True, swap_ab=False)")
         if self.wgmma_in_flight not in (0, 1):
@@ -283,7 +295,7 @@ def tl_tile(config: GemmConfig) -> GemmConfig:
     if config.swap_ab:
         return replace(config, gluon=False, warp_specialize=False, steps_per_stage=1)
     return replace(config, gluon=False, num_stages=min(config.num_stages, MAX_WARP_SPECIALIZED_STAGES),
-                   block_n=1 << (config.block_n.bit_length() - 1), accumulators=1, tma_store=False)
+                   block_n=1 << (config.block_n.bit_length() - 1), accumulators=1, siblings=False, tma_store=False)
 
 
 def tile_rows(m: int, config: GemmConfig) -> int:

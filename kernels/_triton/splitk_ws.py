@@ -67,32 +67,48 @@ def invalidate_ring(ready, empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _producer(x_desc, w_desc, wt_desc, x0_smem, x1_smem, w_smem, wt_smem, ready, empty, my_tiles, pid, num_programs,
-              steps, num_pid_m, num_pid_n, K_PAD, CHUNKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              TAIL: gl.constexpr):
+def _load_step(x_desc, w_desc, wt_desc, x0_smem, x1_smem, w_smem, wt_smem, ready, empty, t, pid_m, pid_n, k,
+               STAGES: gl.constexpr, TAIL: gl.constexpr):
+    """Slot t's loads: K columns k.. of the tile's two 64-row halves of x and its weight rows."""
     ROWS: gl.constexpr = x_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     HEAD: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = HEAD + TAIL
     NBYTES: gl.constexpr = 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes + (
         wt_desc.block_type.nbytes if TAIL > 0 else 0)
+    s = t % STAGES
+    # a slot is free once both consumers released it (its first use passes at once)
+    mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+    bar = ready.index(s)
+    mbarrier.expect(bar, NBYTES)
+    tma.async_copy_global_to_shared(x_desc, [pid_m * 2 * ROWS, k], bar, x0_smem.index(s))
+    tma.async_copy_global_to_shared(x_desc, [pid_m * 2 * ROWS + ROWS, k], bar, x1_smem.index(s))
+    tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_N, k], bar, w_smem.index(s))
+    if TAIL > 0:
+        tma.async_copy_global_to_shared(wt_desc, [pid_n * BLOCK_N + HEAD, k], bar, wt_smem.index(s))
+    return t + 1
+
+
+@gluon.jit
+def _producer(x_desc, w_desc, wt_desc, x0_smem, x1_smem, w_smem, wt_smem, ready, empty, my_tiles, pid, num_programs,
+              steps, num_pid_m, num_pid_n, K_PAD, CHUNKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              TAIL: gl.constexpr, SIBLINGS: gl.constexpr):
+    """Every (tile, chunk, step) in the consumers' order: chunk after chunk, or with SIBLINGS chunks
+    2i and 2i + 1 step by step, alternately. Chunk j's columns start at j * K_PAD (zero padding: exact)."""
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     t = 0
     for local in range(my_tiles):
         pid_m, pid_n = grouped_tile(pid + local * num_programs, num_pid_m, num_pid_n, GROUP_M)
-        for j in range(CHUNKS):
-            for ki in range(steps):
-                s = t % STAGES
-                # a slot is free once both consumers released it (its first use passes at once)
-                mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, NBYTES)
-                k = j * K_PAD + ki * BLOCK_K  # chunk j's columns start at j * K_PAD (zero padding: exact)
-                tma.async_copy_global_to_shared(x_desc, [pid_m * 2 * ROWS, k], bar, x0_smem.index(s))
-                tma.async_copy_global_to_shared(x_desc, [pid_m * 2 * ROWS + ROWS, k], bar, x1_smem.index(s))
-                tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_N, k], bar, w_smem.index(s))
-                if TAIL > 0:
-                    tma.async_copy_global_to_shared(wt_desc, [pid_n * BLOCK_N + HEAD, k], bar, wt_smem.index(s))
-                t += 1
+        if SIBLINGS:
+            for jp in range(CHUNKS // 2):
+                for ki in range(steps):
+                    for c in gl.static_range(2):
+                        t = _load_step(x_desc, w_desc, wt_desc, x0_smem, x1_smem, w_smem, wt_smem, ready, empty, t,
+                                       pid_m, pid_n, (2 * jp + c) * K_PAD + ki * BLOCK_K, STAGES, TAIL)
+        else:
+            for j in range(CHUNKS):
+                for ki in range(steps):
+                    t = _load_step(x_desc, w_desc, wt_desc, x0_smem, x1_smem, w_smem, wt_smem, ready, empty, t, pid_m,
+                                   pid_n, j * K_PAD + ki * BLOCK_K, STAGES, TAIL)
 
 
 @gluon.jit
@@ -165,6 +181,23 @@ def _alternating_chunk(x_smem, w_smem, ready, empty, quad_smem, acc, prev, h1, h
 
 
 @gluon.jit
+def _sibling_step(x_smem, w_smem, ready, empty, acc, sibling, t, ki, SECOND: gl.constexpr, STAGES: gl.constexpr):
+    """Step ki (slot t) of a chunk into acc, left in flight, from zero at ki 0. Then the sibling's step
+    issued before it is done (wgmma groups complete in issue order) and its slot freed; the first
+    chunk's first step has none in flight (the pair before was drained, its last slot freed).
+    SECOND: acc is the pair's second chunk. Returns acc, the sibling and the next slot."""
+    s = t % STAGES
+    mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+    acc = warpgroup_mma(x_smem.index(s), w_smem.index(s).permute((1, 0)), acc, use_acc=ki > 0, is_async=True)
+    acc, sibling = warpgroup_mma_wait(num_outstanding=1, deps=(acc, sibling))
+    if SECOND:
+        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
+    else:
+        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+    return acc, sibling, t + 1
+
+
+@gluon.jit
 def _store_tma(acc, o_desc, c_smem, row0, col0):
     """acc to out[row0:, col0:] through shared memory and a TMA store left in flight, so the next
     tile's wgmmas overlap it (GemmConfig.tma_store); the previous tile's store has read the buffer
@@ -187,7 +220,8 @@ def _store(acc, out_ptr, row0, col0, M, N, stride_o, layout: gl.constexpr):
 def _consumer(x_smem, w_smem, wt_smem, ready, empty, quad_smem, quadt_smem, out_ptr, o_desc, ot_desc, c_smem, ct_smem,
               M, N, stride_o, my_tiles, pid, num_programs, steps, num_pid_m, num_pid_n, ROW_HALF: gl.constexpr,
               CHUNKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, HEAD: gl.constexpr,
-              TAIL: gl.constexpr, IN_FLIGHT: gl.constexpr, ALTERNATE: gl.constexpr, TMA_STORE: gl.constexpr):
+              TAIL: gl.constexpr, IN_FLIGHT: gl.constexpr, ALTERNATE: gl.constexpr, SIBLINGS: gl.constexpr,
+              TMA_STORE: gl.constexpr):
     """Rows ROW_HALF * ROWS .. + ROWS of every tile: multiply, free the slot, join at chunk ends
     (the quads waiting in quad_smem, quadt_smem), write the root. A tile of HEAD + TAIL columns
     (TAIL > 0: a width that is no power of two) is two products, HEAD and TAIL columns wide, each
@@ -205,7 +239,7 @@ def _consumer(x_smem, w_smem, wt_smem, ready, empty, quad_smem, quadt_smem, out_
         acc_t = gl.zeros([ROWS, TAIL], gl.float32, mma_t)
         h1_t = gl.zeros([ROWS, TAIL], gl.float32, mma_t)
         h2_t = gl.zeros([ROWS, TAIL], gl.float32, mma_t)
-    if ALTERNATE:  # two accumulators, chunk by chunk (GemmConfig.accumulators = 2; CHUNKS even, TAIL 0)
+    if ALTERNATE or SIBLINGS:  # a second accumulator (GemmConfig.accumulators = 2 or siblings; CHUNKS even, TAIL 0)
         other = gl.zeros([ROWS, HEAD], gl.float32, mma)
     t = 0
     for local in range(my_tiles):
@@ -220,6 +254,16 @@ def _consumer(x_smem, w_smem, wt_smem, ready, empty, quad_smem, quadt_smem, out_
             other = warpgroup_mma_wait(num_outstanding=0, deps=(other,))
             mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
             h1, h2, acc = _join(other, CHUNKS - 1, h1, h2, quad_smem, mma, CHUNKS)
+        elif SIBLINGS:  # sibling chunks step by step into acc and other (GemmConfig.siblings; CHUNKS even, TAIL 0)
+            for jp in gl.static_range(CHUNKS // 2):
+                for ki in range(steps):  # ascending k in each; a chunk's first step starts from zero
+                    acc, other, t = _sibling_step(x_smem, w_smem, ready, empty, acc, other, t, ki, False, STAGES)
+                    other, acc, t = _sibling_step(x_smem, w_smem, ready, empty, other, acc, t, ki, True, STAGES)
+                # the pair drained (one wait every two chunks), its last slot freed, joined: chunk 2jp + 1
+                # joins its sibling (acc, as the pair's left holder), then the tree above
+                acc, other = warpgroup_mma_wait(num_outstanding=0, deps=(acc, other))
+                mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1)
+                _, h2, acc = _join(other, 2 * jp + 1, acc, h2, quad_smem, mma, CHUNKS)
         else:
             for j in range(CHUNKS):
                 for ki in range(steps):  # ascending k; the chunk's first step starts from zero
@@ -273,7 +317,8 @@ def _quad(ROWS: gl.constexpr, COLS: gl.constexpr, CHUNKS: gl.constexpr):
 @gluon.jit(do_not_specialize=["M"])
 def _row_tree_ws_kernel(x_desc, w_desc, wt_desc, o_desc, ot_desc, out_ptr, M, N, K_CHUNK, K_PAD, stride_o,
                         num_programs, CHUNKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        TAIL: gl.constexpr, IN_FLIGHT: gl.constexpr, ALTERNATE: gl.constexpr, TMA_STORE: gl.constexpr):
+                        TAIL: gl.constexpr, IN_FLIGHT: gl.constexpr, ALTERNATE: gl.constexpr, TMA_STORE: gl.constexpr,
+                        SIBLINGS: gl.constexpr = False):
     """TAIL > 0: a tile's weight rows are w_desc's block (a power of two) and wt_desc's TAIL more;
     TAIL = 0: w_desc's block alone (wt_desc unused). TMA_STORE: the tile leaves through o_desc's
     (and ot_desc's) blocks of out; otherwise through out_ptr (the descriptors unused)."""
@@ -311,12 +356,12 @@ def _row_tree_ws_kernel(x_desc, w_desc, wt_desc, o_desc, ot_desc, out_ptr, M, N,
     gl.warp_specialize([
         (_consumer, (x0_smem, w_smem, wt_smem, ready, empty, quad0, quadt0, out_ptr, o_desc, ot_desc, c0, ct0, M, N,
                      stride_o, my_tiles, pid, num_programs, steps, num_pid_m, num_pid_n, 0, CHUNKS, GROUP_M, STAGES,
-                     ROWS, HEAD, TAIL, IN_FLIGHT, ALTERNATE, TMA_STORE)),
+                     ROWS, HEAD, TAIL, IN_FLIGHT, ALTERNATE, SIBLINGS, TMA_STORE)),
         (_consumer, (x1_smem, w_smem, wt_smem, ready, empty, quad1, quadt1, out_ptr, o_desc, ot_desc, c1, ct1, M, N,
                      stride_o, my_tiles, pid, num_programs, steps, num_pid_m, num_pid_n, 1, CHUNKS, GROUP_M, STAGES,
-                     ROWS, HEAD, TAIL, IN_FLIGHT, ALTERNATE, TMA_STORE)),
+                     ROWS, HEAD, TAIL, IN_FLIGHT, ALTERNATE, SIBLINGS, TMA_STORE)),
         (_producer, (x_desc, w_desc, wt_desc, x0_smem, x1_smem, w_smem, wt_smem, ready, empty, my_tiles, pid,
-                     num_programs, steps, num_pid_m, num_pid_n, K_PAD, CHUNKS, GROUP_M, STAGES, TAIL)),
+                     num_programs, steps, num_pid_m, num_pid_n, K_PAD, CHUNKS, GROUP_M, STAGES, TAIL, SIBLINGS)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
     invalidate_ring(ready, empty, STAGES)
 
@@ -391,4 +436,4 @@ def row_tree_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, chunks
         gluon_descriptor(x, [HALF, bk]), w_desc, gluon_descriptor(weight, [tail, bk]) if tail else w_desc, o_desc,
         ot_desc, out, m, n, chunk, padded, out.stride(0), programs, CHUNKS=chunks, GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages, TAIL=tail, IN_FLIGHT=cfg.wgmma_in_flight, ALTERNATE=cfg.accumulators == 2 and chunks > 1,
-        TMA_STORE=tma_store, num_warps=cfg.num_warps)
+        TMA_STORE=tma_store, SIBLINGS=cfg.siblings and chunks > 1, num_warps=cfg.num_warps)
