@@ -381,9 +381,9 @@ out = []
 # linear: one chunk (its swapped Gluon configs run swap_ws.py: _GEMM_PROBE)
 gluon_linear = [(cfg, (1,)) for *_, cfg in WIDTH_CONFIGS_16BIT + CONFIGS_16BIT if cfg.gluon and not cfg.swap_ab]
 linear_cfgs = [cfg for cfg, _ in gluon_linear]
-# (and the sibling schedule, a sweep candidate, on the many-tile bucket's tile)
-siblings = [(replace(ROW_CONFIGS_16BIT[-1][1], siblings=True), (8, 4, 2))]
-for cfg, chunk_counts in [(cfg, (8, 4, 2, 1)) for _, cfg in ROW_CONFIGS_16BIT] + siblings + gluon_linear:
+# (and the many-tile bucket's tile without its sibling schedule: what that schedule is compared with)
+one_by_one = [(replace(ROW_CONFIGS_16BIT[-1][1], siblings=False), (8, 4, 2))]
+for cfg, chunk_counts in [(cfg, (8, 4, 2, 1)) for _, cfg in ROW_CONFIGS_16BIT] + one_by_one + gluon_linear:
     if cfg.gluon and cfg.swap_ab:  # the decode bucket's subtrees (swap_ws.py) at every TP size and split
         for chunks in chunk_counts:
             for split in [s for s in (1, 2, 4, 8) if s <= chunks]:
@@ -414,7 +414,7 @@ for cfg, chunk_counts in [(cfg, (8, 4, 2, 1)) for _, cfg in ROW_CONFIGS_16BIT] +
             r = compile_sm90(W._row_tree_ws_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, 1,
                              count=("wgmma.wait_group",))
             out.append(dict(r, tile=[cfg.block_m, cfg.block_n], split=1, chunks=chunks, gluon=True, tma=tma,
-                            siblings=cfg.siblings))
+                            siblings=cfg.siblings and chunks > 1))
         continue
     descs = {"x_desc": f"tensordesc<bf16[{cfg.block_m}, 64]>", "w_desc": f"tensordesc<bf16[{cfg.block_n}, 64]>",
              "out_ptr": "*bf16", "ws_ptr": "*fp32", "ticket_ptr": "*i32"}
@@ -447,10 +447,10 @@ def test_row_tree_compiles_to_wgmma():
     gluon = [r for r in results if r.get("gluon")]
     assert {r["chunks"] for r in gluon} == {8, 4, 2, 1}, "the tables have Gluon buckets: probe every chunk count"
     assert any(r.get("tma") for r in gluon), "the tables have TMA-store Gluon buckets: probe them"
-    # the sibling schedule holds two accumulators and the pair's holder: no more than one accumulator
-    # and its two holders, so nothing spills (two alternating accumulators there spill 256 bytes)
-    # (its own code: more wgmma waits than the same tile's schedule of one accumulator, which waits
-    # once a chunk and a step)
+    # the many-tile bucket's sibling schedule holds two accumulators and the pair's holder: no more than
+    # one accumulator and its two holders, so nothing spills (two alternating accumulators there spill
+    # 256 bytes); and it is its own code: more wgmma waits than the same tile's schedule of one
+    # accumulator, which waits once a chunk and a step
     sib = [r for r in gluon if r.get("siblings")]
     assert {r["chunks"] for r in sib} == {8, 4, 2} and all(r["spill_bytes"] == 0 for r in sib), sib
     for r in sib:

@@ -72,7 +72,8 @@ class GemmConfig:
     # one accumulator and its two pending subtrees would (the pair's left holder is the first
     # sibling's accumulator). Only the schedule: each chunk's product is the same sum from zero over
     # its steps in ascending k, the tree the same. Needs wgmma_in_flight=1, one accumulator and a
-    # block_n that is a power of two; a one-chunk product (`linear`'s) ignores it.
+    # block_n that is a power of two; a one-chunk product (`linear`'s) ignores it. ROW_CONFIGS_16BIT
+    # takes it above 256 rows (1.02-1.10x there, H100).
     siblings: bool = False
     # The unswapped Gluon consumer (splitk_ws.py) writes each finished tile to shared memory and leaves
     # it to a TMA store it does not wait for, so the next tile's wgmmas overlap the write (False: a
@@ -276,8 +277,14 @@ ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
     # for 5 stages stored from registers (one call, sweep_rowtree.py --gluon-only --tma-only); with
     # two accumulators as well 0.811 / 0.821 (256 bytes spilled): not taken. At 129-256 rows the
     # TMA store (7 stages) read 0.832 / 0.943 against the table's 0.821 / 0.986: not taken.
+    # Thirty-seventh session (H100, sweep_rowtree.py --gluon-only --match sib, bits checked against the
+    # table's kernel first): sibling chunks step by step (GemmConfig.siblings) took o_proj at M = 512 /
+    # 1,024 / 4,096 from 31.2 / 57.7 / 238.9 us to 29.7 / 56.4 / 222.8, down from 83.2 / 176.0 / 648.3
+    # to 79.8 / 160.5 / 636.9 (1.02-1.10x); on 5 stages without the TMA store down read 78.5 / 155.2 /
+    # 746.5, o_proj less. At 129-256 rows (128 x 64 tiles) the siblings read 0.97-0.99x the two
+    # alternating accumulators: not taken there.
     (None, GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=4, num_stages=4, warp_specialize=True,
-                      gluon=True, tma_store=True)),
+                      gluon=True, tma_store=True, siblings=True)),
 ]
 ROW_CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
     (None, GemmConfig(block_m=64, block_n=32, group_m=8, num_warps=4, num_stages=2, programs_per_sm=2)),
