@@ -318,7 +318,7 @@ def _quad(ROWS: gl.constexpr, COLS: gl.constexpr, CHUNKS: gl.constexpr):
 def _row_tree_ws_kernel(x_desc, w_desc, wt_desc, o_desc, ot_desc, out_ptr, M, N, K_CHUNK, K_PAD, stride_o,
                         num_programs, CHUNKS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                         TAIL: gl.constexpr, IN_FLIGHT: gl.constexpr, ALTERNATE: gl.constexpr, TMA_STORE: gl.constexpr,
-                        SIBLINGS: gl.constexpr = False):
+                        SIBLINGS: gl.constexpr):
     """TAIL > 0: a tile's weight rows are w_desc's block (a power of two) and wt_desc's TAIL more;
     TAIL = 0: w_desc's block alone (wt_desc unused). TMA_STORE: the tile leaves through o_desc's
     (and ot_desc's) blocks of out; otherwise through out_ptr (the descriptors unused)."""
