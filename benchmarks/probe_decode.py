@@ -113,8 +113,8 @@ def _traced_split_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, t
             m, l, acc = A._fold_block(q_tile, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK, SWAP)
             _stamp(trace, 2 + tl.minimum(n_blk, MAX_BLOCKS_C - 1), tl.max(m, 0))
             n_blk += 1
-        A._store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, A._tile_sums(l, SWAP), acc,
-                             GROUP, D, SWAP, 1)
+        A._store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, A._tile_sums(l, SWAP), acc, D,
+                             SWAP)
     tl.store(trace + BLOCKS_C, n_blk.to(tl.int64))
     mine = (n_need - 1 - p) // per_split + 1
     tl.debug_barrier()
@@ -123,7 +123,7 @@ def _traced_split_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, t
     if ticket + mine == n_need:
         tl.atomic_xchg(tickets + pair, 0, sem="relaxed", scope="gpu")
         A._merge_chunk_states(part_m, part_l, part_acc, out, lse, pair, n_chunks, n_need, begin, kv_head, n_heads,
-                              0, GROUP, MERGE_ROWS, D, 1, False)
+                              GROUP, MERGE_ROWS, D)
         _stamp(trace, 3 + MAX_BLOCKS_C, 0.0)
 
 

@@ -6,9 +6,6 @@ column compares the two. CUDA graphs; the states sit in L2 (written once, read e
 
     python benchmarks/probe_merge.py        # (gpu_session.sh probe_merge)
 
-The table's merge also as the decode kernel's MERGERS split it: each of a pair's programs merges a
-share of the columns (`programs a pair`).
-
 The thirty-fifth session (H100): the table's merge ~190 ns a state alone, the two-pass form 85-135;
 inside the decode kernel (ab_decode.py) the two-pass form from 32 states gained only 1.5-2.8% at
 batch 1 x 8k-32k and cost 1-3% at 1k-4k, where it was not taken (benchmarks/RESULTS.md)."""
@@ -65,11 +62,11 @@ def _fold2(part_m, part_l, part_acc, scr_a, scr_b, scr_t, first_g, n, GROUP: tl.
 
 @triton.jit
 def _merge_only(part_m, part_l, part_acc, scr_a, scr_b, scr_t, out, lse, n_chunks, n_need, GROUP: tl.constexpr,
-                D: tl.constexpr, NB: tl.constexpr, AHEAD: tl.constexpr, MODE: tl.constexpr, SHARES: tl.constexpr):
-    pair = tl.program_id(0) // SHARES
+                D: tl.constexpr, NB: tl.constexpr, AHEAD: tl.constexpr, MODE: tl.constexpr):
+    pair = tl.program_id(0)
     if MODE == 0:
-        A._merge_chunk_states(part_m, part_l, part_acc, out, lse, pair, n_chunks, n_need, 0, 0, pair, 32,
-                              tl.program_id(0) % SHARES, GROUP, GROUP, D, SHARES, False)
+        A._merge_chunk_states(part_m, part_l, part_acc, out, lse, pair, n_chunks, n_need, 0, 0, pair, 32, GROUP, GROUP,
+                              D)
     else:
         g = tl.arange(0, GROUP)
         first_g = (pair * n_chunks).to(tl.int64) * GROUP + g
@@ -79,10 +76,9 @@ def _merge_only(part_m, part_l, part_acc, scr_a, scr_b, scr_t, out, lse, n_chunk
 
 def main():
     pairs, group, d = 8, 4, 128
-    print("| form | programs a pair | NB | ahead | ns a state (16 -> 128) | us at 4 / 16 / 64 | bits |")
-    print("|---|---|---|---|---|---|---|")
-    forms = [(0, 0, 8, 1), (0, 0, 8, 2), (0, 0, 8, 4), (0, 0, 8, 8), (1, 64, 16, 1), (1, 64, 32, 1)]
-    for mode, nb, ahead, shares in forms[:int(sys.argv[1])] if len(sys.argv) > 1 else forms:
+    print("| form | NB | ahead | ns a state (16 -> 128) | us at 4 / 16 / 64 | bits |")
+    print("|---|---|---|---|---|---|")
+    for mode, nb, ahead in [(0, 0, 8), (1, 64, 8), (1, 64, 16), (1, 64, 32), (1, 32, 16), (1, 128, 32)]:
         t, same = {}, True
         for n in (4, 16, 64, 128):
             g = torch.Generator(device="cuda").manual_seed(n)
@@ -91,20 +87,18 @@ def main():
             part_acc = torch.randn(pairs, n, group, d, device="cuda", generator=g)
             scr = [torch.empty_like(part_m) for _ in range(3)]
             outs = []
-            for m_, k_ in ((0, 1), (mode, shares)):
+            for m_ in (0, mode):
                 out = torch.empty(1, 32, d, device="cuda", dtype=torch.bfloat16)
                 lse = torch.empty(1, 32, device="cuda")
-                # m and l once for each share (as the decode kernel stores them for a polled merge)
-                ml = [x[:, :, None].expand(pairs, n, k_, group).contiguous() for x in (part_m, part_l)]
-                fn = lambda out=out, lse=lse, m_=m_, k_=k_, ml=ml: _merge_only[(pairs * k_,)](  # noqa: E731
-                    *ml, part_acc, *scr, out, lse, n, n, GROUP=group, D=d, NB=max(nb, 1), AHEAD=ahead,
-                    MODE=m_, SHARES=k_, num_warps=4)
+                fn = lambda out=out, lse=lse, m_=m_: _merge_only[(pairs,)](  # noqa: E731
+                    part_m, part_l, part_acc, *scr, out, lse, n, n, GROUP=group, D=d, NB=max(nb, 1), AHEAD=ahead,
+                    MODE=m_, num_warps=4)
                 fn()
                 outs.append((out.clone(), lse.clone(), fn))
             same &= torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
             t[n] = graph_ms_per_call(outs[1][2], 20) * 1e3
         name = "table" if mode == 0 else "two-pass"
-        print(f"| {name} | {shares} | {nb} | {ahead} | {(t[128] - t[16]) * 1e3 / 112:.0f} | {t[4]:.2f} / {t[16]:.2f} / {t[64]:.2f} "
+        print(f"| {name} | {nb} | {ahead} | {(t[128] - t[16]) * 1e3 / 112:.0f} | {t[4]:.2f} / {t[16]:.2f} / {t[64]:.2f} "
               f"| {'same' if same else 'DIFFER'} |", flush=True)
 
 

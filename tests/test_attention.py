@@ -464,35 +464,6 @@ def test_decode_grid_rule_on_an_h200():
     assert A._decode_grid(2048, 64, 132, {**cfg, "SPLIT_TAIL": False}) == (2048, 1, 2, 0)
 
 
-def test_decode_mergers_only_where_every_program_is_resident(monkeypatch):
-    """TUNING["decode"]["MERGERS"] programs of a split pair merge its states polling them (waiting for
-    the other programs' stores) only on a grid of splits alone, of at least MERGE_FROM chunks, whose
-    programs all fit at once at the ring's programs an SM, and whose states fit the stream's buffer;
-    never in the interpreter, which runs programs one by one. 0: the ticket's merge."""
-    from lockstep.kernels._triton import attention as A
-
-    cfg = {**A.TUNING["decode"], "MERGERS": 4, "MERGE_FROM": 4}
-    deep, table = cfg["SPLIT_STAGES"], cfg["num_stages"]
-    assert deep != table
-    monkeypatch.setattr(A, "INTERPRETING", False)
-    mergers = lambda walks, split, per_split, chunks, stages, c=cfg: A._decode_mergers(  # noqa: E731
-        walks, split, per_split, chunks, 4, 128, stages, 132, c)
-    walks, per_split, stages, _ = A._decode_grid(8, 64, 132, cfg)  # batch 1 x 16k on an H200's 132 SMs
-    assert (walks, stages) == (0, deep) and mergers(0, 8, per_split, 64, stages) == 4
-    assert mergers(0, 8, 33, 3, deep) == 0  # fewer chunks than MERGE_FROM
-    assert mergers(0, 8, 34, 64, deep) == 0  # more programs than 2 an SM on the deeper ring (272)
-    assert mergers(0, 132, 3, 64, table) == 4 and mergers(0, 133, 3, 64, table) == 0  # 3 an SM on the table's
-    assert mergers(8, 8, 25, 64, table) == 0  # walks beside the splits: a tail grid
-    assert mergers(0, 0, 1, 64, table) == 0  # walks alone
-    # at most 64 MiB of states: 8 pairs x chunks x 4 rows x (128 + 2 x 4) words
-    assert mergers(0, 8, 33, 3855, deep) == 4 and mergers(0, 8, 33, 3856, deep) == 0
-    assert mergers(0, 8, 33, 64, deep, {**cfg, "MERGERS": 0}) == 0
-    with pytest.raises(ValueError, match="MERGERS"):
-        mergers(0, 8, 33, 64, deep, {**cfg, "MERGERS": 3})
-    monkeypatch.setattr(A, "INTERPRETING", True)
-    assert mergers(0, 8, 33, 64, deep) == 0
-
-
 def test_decode_walk_takes_its_deep_ring_only_where_that_costs_no_wave():
     """The one-program decode walk's ring (TUNING["decode"]["WALK_STAGES"], WALK_PER_SM programs an
     SM) against the table's (PROGRAMS_PER_SM an SM): on an H200's 132 SMs at Qwen3-8B's 8 kv heads,
@@ -562,25 +533,21 @@ split = dict(FLAT_STAGES=0)  # (a program's several chunks in one loop: the deep
 decode = {f"{'swapped' if swap else 'padded'}{kind}{' deep' if deep else ''}":
           compile_sm90(A._decode_chunk_kernel, types, dict(ROWS=16 if swap else cfg["MIN_ROWS"], MERGE_ROWS=4,
                        WALKS=kinds[kind][0], SPLITS=kinds[kind][1], FROM_LENS=True, PREFETCH=cfg["PREFETCH"],
-                       SWAP=swap, PAGE_SHIFT=A.decode_page_shift(16), ONE_CHUNK=False, MERGERS=0, **common,
-                       **split),
+                       SWAP=swap, PAGE_SHIFT=A.decode_page_shift(16), ONE_CHUNK=False, **common, **split),
                        cfg["num_warps"],
                        cfg["WALK_STAGES" if deep else "num_stages"])
           for swap in (True, False) for kind in kinds
           for deep in ((False, True) if swap and kind == " in registers" else (False,))}
 # a grid of splits alone on its deeper ring (" one chunk": of sequences of no more chunks than a pair has
 # programs; ", one page a row": over a linear K/V, whose one-entry page table the launch specialises as
-# the constant 1; ", mergers": the table's MERGERS polling the states)
+# the constant 1)
 for name, variant in (("swapped split deep", {}), ("swapped split deep one chunk", dict(ONE_CHUNK=True)),
-                      ("swapped split deep, mergers", dict(MERGERS=cfg["MERGERS"])),
-                      ("swapped split deep one chunk, mergers", dict(ONE_CHUNK=True, MERGERS=cfg["MERGERS"])),
                       ("swapped split deep, one page a row", dict(PAGE_SHIFT=A.decode_page_shift(1 << 30),
                                                                   table_width=1))):
     decode[name] = compile_sm90(
         A._decode_chunk_kernel, types, {**dict(ROWS=16, MERGE_ROWS=4, WALKS=False, SPLITS=True, FROM_LENS=True,
                                                PREFETCH=cfg["PREFETCH"], SWAP=True, PAGE_SHIFT=A.decode_page_shift(16),
-                                               FLAT_STAGES=cfg["FLAT_STAGES"], ONE_CHUNK=False, MERGERS=0,
-                                               **common),
+                                               FLAT_STAGES=cfg["FLAT_STAGES"], ONE_CHUNK=False, **common),
                                             **variant},
         cfg["num_warps"], cfg["SPLIT_STAGES"])
 print(json.dumps([prefill, linear, gluon, gluon_q_regs, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, dq_gluon_q_regs,
@@ -635,9 +602,7 @@ def test_decode_and_prefill_multiply_with_wgmma():
     cfg, per_block = A.TUNING["decode"], 227 * 1024
     for name, per_sm in (("swapped", "PROGRAMS_PER_SM"), ("swapped in registers", "PROGRAMS_PER_SM"),
                          ("swapped in registers deep", "WALK_PER_SM"), ("swapped mixed", "PROGRAMS_PER_SM"),
-                         ("swapped split deep", "SPLIT_PER_SM"), ("swapped split deep one chunk", "SPLIT_PER_SM"),
-                         ("swapped split deep, mergers", "SPLIT_PER_SM"),
-                         ("swapped split deep one chunk, mergers", "SPLIT_PER_SM")):
+                         ("swapped split deep", "SPLIT_PER_SM"), ("swapped split deep one chunk", "SPLIT_PER_SM")):
         assert decode[name]["mma"] == [["3", "[16, 16, 16]"]], (name, decode[name])
         assert decode[name]["regs"] * 32 * cfg["num_warps"] * cfg[per_sm] <= 65536, (name, decode[name])
     assert per_block // decode["swapped"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode["swapped"]
@@ -645,8 +610,7 @@ def test_decode_and_prefill_multiply_with_wgmma():
     assert per_block // decode["swapped mixed"]["shared_bytes"] == cfg["PROGRAMS_PER_SM"], decode
     assert per_block // decode["swapped in registers deep"]["shared_bytes"] == cfg["WALK_PER_SM"], decode
     assert per_block // decode["swapped split deep"]["shared_bytes"] == cfg["SPLIT_PER_SM"], decode
-    for name in ("swapped split deep one chunk", "swapped split deep, mergers", "swapped split deep one chunk, mergers"):
-        assert per_block // decode[name]["shared_bytes"] == cfg["SPLIT_PER_SM"], (name, decode[name])
+    assert per_block // decode["swapped split deep one chunk"]["shared_bytes"] == cfg["SPLIT_PER_SM"], decode
     # the prefill tile holds the next block's K/V in registers (TUNING["prefill"]["PREFETCH"]): the
     # measured winner spills 8 bytes on packed sequences and 68 on the paged layout (probed here);
     # more would mean the table no longer fits the tile
@@ -939,57 +903,3 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
     for _ in range(3):
         graph.replay()
         assert torch.equal(captured, out)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mergers", [2, 4, 8])
-def test_gpu_decode_mergers_give_the_training_bits(gpu_triton, monkeypatch, mergers):
-    """A split pair's first MERGERS programs each merging a share of the columns as the chunk states
-    arrive (polling them, no ticket): each decoded token's output equals training's, bit for bit, on
-    a grid of splits whose programs are all resident (Qwen3-8B's 8 kv heads, up to 3,000 keys: a
-    program's several chunks on the SPLIT_STAGES ring, and one chunk a program); every state word is
-    unwritten again after the launch (the mergers set back what they read), and so a CUDA graph's
-    replays give the same bits."""
-    from lockstep.kernels._triton import _tickets
-    from lockstep.kernels._triton import attention as A
-
-    lens = [3000, 1500, 700]
-    q, k, v, cu = _packed(lens, 32, 8, 128, torch.bfloat16, "cuda")
-    train = K.varlen_attention(q, k, v, cu)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    taken = _recorded_decode_flags(A, monkeypatch, "MERGERS")
-    one_chunk = _recorded_decode_flags(A, monkeypatch, "ONE_CHUNK")
-    # 24 pairs of up to 12 chunks on 1 / 2 programs an SM: 5 programs a pair (2-3 chunks each), 11 (one
-    # of them two chunks); the two shorter sequences alone (16 pairs of up to 6 chunks): one chunk a
-    # program. The 700-key sequence's 3 chunks: 3 programs, fewer than the mergers asked for
-    for picks, split_per_sm, one in (([(0, 2999), (1, 1499), (2, 699)], 1, False),
-                                     ([(0, 2999), (1, 1499), (2, 699)], 2, False), ([(1, 1499), (2, 699)], 1, True)):
-        width = max(p for _, p in picks) + 1
-        k_b, v_b = k.new_zeros(len(picks), width, 8, 128), v.new_zeros(len(picks), width, 8, 128)
-        for i, (r, p) in enumerate(picks):
-            k_b[i, : p + 1], v_b[i, : p + 1] = k[cu[r]: cu[r] + p + 1], v[cu[r]: cu[r] + p + 1]
-        rows = torch.tensor([int(cu[r]) + p for r, p in picks], device="cuda")
-        pos = torch.tensor([[p] for _, p in picks], device="cuda")
-        cfg = {**A.TUNING["decode"], "MERGERS": mergers, "MERGE_FROM": 1, "SPLIT_PER_SM": split_per_sm}
-        monkeypatch.setitem(A.TUNING, "decode", cfg)
-        pairs, n_chunks = len(picks) * 8, -(-width // A.KV_CHUNK)
-        walks, per_split, _, _ = A._decode_grid(pairs, n_chunks, sms, cfg)
-        assert walks == 0 and per_split > 1 and per_split * pairs <= split_per_sm * sms, (walks, per_split)
-        out = K.causal_attention(q[rows][:, None], k_b, v_b, pos)[:, 0]
-        assert taken[-1] == mergers and one_chunk[-1] == one, (taken, one_chunk)
-        differ = (out != train[rows]).flatten(1).any(1)
-        assert not differ.any(), f"tokens differ from training at {[picks[i] for i in differ.nonzero().flatten().tolist()]}"
-        graph, q_b, stream = torch.cuda.CUDAGraph(), q[rows][:, None], torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            K.causal_attention(q_b, k_b, v_b, pos)
-        stream.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
-            captured = K.causal_attention(q_b, k_b, v_b, pos)[:, 0]
-        for _ in range(3):
-            graph.replay()
-            assert torch.equal(captured, out)
-        torch.cuda.synchronize()
-        for stream_ in (stream, torch.cuda.current_stream()):
-            words = _tickets._BUFFERS["states", out.device, stream_.cuda_stream].view(torch.int32)
-            assert (words == _tickets.UNWRITTEN_BITS).all(), f"{int((words != -1).sum())} state words left written"

@@ -66,7 +66,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
-from lockstep.kernels._triton._tickets import UNWRITTEN_BITS, unwritten_states, zeroed_tickets
+from lockstep.kernels._triton._tickets import zeroed_tickets
 from lockstep.kernels._triton._tma import install_descriptor_allocator
 from lockstep.kernels._triton.splitk_ws import gluon_descriptor, invalidate_ring, ring_barriers
 
@@ -187,7 +187,7 @@ TUNING = {
     # 20 0.996-1.007 (61%), 22-23 0.976-1.001 (67-70%)
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
                    WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2, FLAT_STAGES=5,
-                   WALK_FILL=0.72, MERGERS=4, MERGE_FROM=4),
+                   WALK_FILL=0.72),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
@@ -231,8 +231,6 @@ _SUM_COLS = tl.constexpr(16)  # width of the ones matrix that computes row sums 
 _WGMMA_M = 64
 _SUM_ROWS = tl.constexpr(_WGMMA_M)  # swapped tiles: height of the ones matrix (the row-sum dot's M side)
 _MERGE_AHEAD = tl.constexpr(8)  # chunk states a split decode's merge loads before merging the first of them
-# a polled merge's chunk-state words hold these bits until their program stores them (_tickets.py)
-_UNWRITTEN = tl.constexpr(UNWRITTEN_BITS)
 _LOG2E = 1.4426950408889634
 
 
@@ -584,19 +582,11 @@ def _walk(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, 
 
 
 @triton.jit
-def _store_chunk_state(part_m, part_l, part_acc, slot, keep, m, l, acc, GROUP: tl.constexpr, D: tl.constexpr,
-                       SWAP: tl.constexpr, SHARES: tl.constexpr):
+def _store_chunk_state(part_m, part_l, part_acc, slot, keep, m, l, acc, D: tl.constexpr, SWAP: tl.constexpr):
     """A split decode program's chunk state (_chunk_state's) at rows `slot` of the states, its group's
-    rows (keep) only; with SHARES > 1 (a polled merge, _merge_chunk_states) m and l once for each
-    share's merger, which reads and resets its own copy: rows (slot // GROUP * SHARES + s) * GROUP +
-    slot % GROUP."""
-    if SHARES == 1:
-        tl.store(part_m + slot, m, mask=keep)
-        tl.store(part_l + slot, l, mask=keep)
-    else:
-        at = (slot // GROUP * SHARES)[None, :] * GROUP + (tl.arange(0, SHARES) * GROUP)[:, None] + (slot % GROUP)[None, :]
-        tl.store(part_m + at, tl.broadcast_to(m[None, :], at.shape), mask=keep[None, :])
-        tl.store(part_l + at, tl.broadcast_to(l[None, :], at.shape), mask=keep[None, :])
+    rows (keep) only."""
+    tl.store(part_m + slot, m, mask=keep)
+    tl.store(part_l + slot, l, mask=keep)
     tl.store(part_acc + _tile_offsets(slot, D, SWAP), acc, mask=_col(keep, SWAP))
 
 
@@ -604,7 +594,7 @@ def _store_chunk_state(part_m, part_l, part_acc, slot, keep, m, l, acc, GROUP: t
 def _split_states(q, pos, hi, chunk0, stride, mine, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
                   part_m, part_l, part_acc, first, keep, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr,
-                  STAGES: tl.constexpr, SHARES: tl.constexpr):
+                  STAGES: tl.constexpr):
     """A split program's `mine` chunks chunk0, chunk0 + stride, ... (program p of P: p, P) in one
     pipelined loop over their blocks, each chunk's state folded from empty and stored at its last
     block (or the last that holds keys): _chunk_state's operations in its order, without a pipeline
@@ -620,91 +610,42 @@ def _split_states(q, pos, hi, chunk0, stride, mine, k, v, page_row, page_size, s
         m, l, acc = _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK, SWAP)
         if ((i + 1) % BLOCKS == 0) | (i == n_blocks - 1):
             _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, _tile_sums(l, SWAP), acc,
-                               GROUP, D, SWAP, SHARES)
+                               D, SWAP)
             m, l, acc = _empty_state(ROWS, D, SWAP)
 
 
 @triton.jit
-def _chunk_states(part_m, part_l, part_acc, first_g, first_ml, cols, c_step, n_need, GROUP: tl.constexpr,
-                  D: tl.constexpr, SHARES: tl.constexpr, POLLED: tl.constexpr):
-    """The _MERGE_AHEAD chunk states from c_step as a tuple (acc, m, l of each; past the last state
-    zeros): a merger's columns `cols`, its share's copy of m and l. POLLED: loaded from L2 (volatile),
-    where other programs' stores land."""
-    states = ()
-    for i in tl.static_range(_MERGE_AHEAD):
-        c = c_step + i
-        here = c < n_need
-        at, at_ml = first_g + c * GROUP, first_ml + c * (SHARES * GROUP)
-        states = states + (tl.load(part_acc + at[:, None] * D + cols[None, :], mask=here, other=0.0, volatile=POLLED),
-                           tl.load(part_m + at_ml, mask=here, other=0.0, volatile=POLLED),
-                           tl.load(part_l + at_ml, mask=here, other=0.0, volatile=POLLED))
-    return states
-
-
-@triton.jit
-def _unwritten(states):
-    """How many words of `states` (_chunk_states') still hold _UNWRITTEN."""
-    n = 0
-    for i in tl.static_range(len(states)):
-        n += tl.sum(tl.ravel((states[i].to(tl.int32, bitcast=True) == _UNWRITTEN).to(tl.int32)), 0)
-    return n
-
-
-@triton.jit
-def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads, share,
-                        GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr, SHARES: tl.constexpr,
-                        POLLED: tl.constexpr):
-    """The n_need chunk states of split pair `tail` merged in chunk order and its rows' columns of
-    share `share` (of SHARES equal ones) stored; the lse by share 0's merger. The merge is elementwise
-    per row and column, so which program merges which columns moves no bit: only the group's real
-    rows (a power of two >= GROUP).
-    Merged after the ticket (not POLLED: the states are all stored), or POLLED: the states held
-    _UNWRITTEN before their programs stored them (the launcher's buffer), and a group of them is
-    loaded again until none of its words does (each word is stored once, whole), then set back to
-    _UNWRITTEN for the next launch (this merger's columns and its copy of m and l)."""
-    COLS: tl.constexpr = D // SHARES
+def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
+                        GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr):
+    """The n_need chunk states of split pair `tail` merged in chunk order and its rows stored (by the
+    last of the pair's programs). The merge is elementwise per row: only the group's real rows (a
+    power of two >= GROUP)."""
     g = tl.arange(0, MERGE_ROWS)
-    cols = share * COLS + tl.arange(0, COLS)
     tok_g, head_g = _rows(g, begin, 1, kv_head, GROUP)
     first_g = (tail * n_chunks).to(tl.int64) * GROUP + g % GROUP
-    if SHARES == 1:
-        first_ml = first_g
-    else:
-        first_ml = ((tail * n_chunks).to(tl.int64) * SHARES + share) * GROUP + g % GROUP
     m_t = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
     l_t = tl.zeros((MERGE_ROWS,), tl.float32)
-    acc_t = tl.zeros((MERGE_ROWS, COLS), tl.float32)
+    acc_t = tl.zeros((MERGE_ROWS, D), tl.float32)
     # chunk order, _MERGE_AHEAD states a step: their loads are independent of the merges, so they are
     # all in flight before the first merge needs one; a state past the last is loaded masked and its
-    # merge's result not kept (a select: exact). Plain loads after the ticket: its acquire orders them
-    # after the other programs' released stores (ptxas follows the acquiring atomic with an L1
+    # merge's result not kept (a select: exact). Plain loads: the ticket's acquire orders them after
+    # the other programs' released stores (ptxas follows the acquiring atomic with an L1
     # invalidation, CCTL.IVALL), so no L1 line they fill is stale. L2-only loads (.cg, ptxas'
     # LDG.STRONG.GPU) took 1.04-1.05x their time at batch 1 x 4k-32k (the thirty-fourth session, H100,
     # ab_decode.py, bits equal); in that session's probes the merge cost ~80 ns a state whether its
     # loads or its arithmetic were taken out, and alone (the thirty-fifth, benchmarks/probe_merge.py)
     # ~190 ns, a chain of latencies: a two-pass form that halves that alone gained 2% here, not kept
     for c_step in range(0, n_need, _MERGE_AHEAD):
-        states = _chunk_states(part_m, part_l, part_acc, first_g, first_ml, cols, c_step, n_need, GROUP, D, SHARES,
-                               POLLED)
-        if POLLED:
-            while _unwritten(states) > 0:
-                states = _chunk_states(part_m, part_l, part_acc, first_g, first_ml, cols, c_step, n_need, GROUP, D,
-                                       SHARES, POLLED)
         for i in tl.static_range(_MERGE_AHEAD):
-            here = c_step + i < n_need
-            m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, states[3 * i + 1], states[3 * i + 2], states[3 * i], False)
+            c = c_step + i
+            at = first_g + c * GROUP
+            here = c < n_need
+            acc_c = tl.load(part_acc + _tile_offsets(at, D, False), mask=here, other=0.0)
+            m_c = tl.load(part_m + at, mask=here, other=0.0)
+            l_c = tl.load(part_l + at, mask=here, other=0.0)
+            m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_c, l_c, acc_c, False)
             m_t, l_t, acc_t = tl.where(here, m_n, m_t), tl.where(here, l_n, l_t), tl.where(here, acc_n, acc_t)
-    idx = tok_g * n_heads + head_g
-    tl.store(out + idx[:, None] * D + cols[None, :], _normalised(acc_t, l_t, False).to(out.dtype.element_ty),
-             mask=(g < GROUP)[:, None])
-    tl.store(lse + idx, _lse(m_t, l_t), mask=(g < GROUP) & (share == 0))
-    if POLLED:
-        unwritten = tl.full((MERGE_ROWS, COLS), _UNWRITTEN, tl.int32).to(tl.float32, bitcast=True)
-        unwritten_row = tl.full((MERGE_ROWS,), _UNWRITTEN, tl.int32).to(tl.float32, bitcast=True)
-        for c in range(0, n_need):
-            tl.store(part_acc + (first_g + c * GROUP)[:, None] * D + cols[None, :], unwritten)
-            tl.store(part_m + first_ml + c * (SHARES * GROUP), unwritten_row)
-            tl.store(part_l + first_ml + c * (SHARES * GROUP), unwritten_row)
+    _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False)
 
 
 @triton.jit
@@ -714,16 +655,14 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          MERGE_ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                          WALKS: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
                          FROM_LENS: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr,
-                         FLAT_STAGES: tl.constexpr, ONE_CHUNK: tl.constexpr, MERGERS: tl.constexpr):
+                         FLAT_STAGES: tl.constexpr, ONE_CHUNK: tl.constexpr):
     """Single-query sequences, each (sequence, kv head) pair's rows the group's query heads. A grid
     with splits is 1-D: programs 0 .. n_walks - 1 walk pairs 0 .. n_walks - 1 whole, and each later
     pair is split across per_split programs (P); a grid of walks only is (1, kv heads, sequences). A
     walk runs as a prefill tile does (_row_state: its chunk states merged in registers, the same
     operations in the same order). Split program p of a pair stores the states of chunks p, p + P,
     p + 2P, ...; the last of the pair's programs to finish merges every chunk's state in chunk order
-    and stores the rows (one launch per decode step), or with MERGERS > 0 (a grid whose programs are
-    all resident at once) the pair's first MERGERS programs each merge a share of the rows' columns
-    as the states arrive, polling them (_merge_chunk_states), without a ticket. Which program computes a chunk, and how the
+    and stores the rows (one launch per decode step). Which program computes a chunk, and how the
     walks and splits share the grid, move no bit. The launcher sets n_walks and P from the batch,
     never the cache length, so a grid sized for the longest sequence (a CUDA graph's) costs no idle
     programs. WALKS / SPLITS: whether the grid holds any walk / any split (a kernel of one kind holds
@@ -794,34 +733,25 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
             mine = 1
         else:
             mine = (n_need - 1 - p) // per_split + 1
-        SHARES: tl.constexpr = MERGERS + (MERGERS == 0)
         if (FLAT_STAGES and not ONE_CHUNK) and (mine > 1):
             _split_states(q_tile, pos, hi, p, per_split, mine, k, v, page_row, page_size, stride_page,
                           stride_slot, qk_scale, part_m, part_l, part_acc, first, keep, GROUP, ROWS, D, KV_BLOCK,
-                          KV_CHUNK, SWAP, PAGE_SHIFT, FLAT_STAGES, SHARES)
+                          KV_CHUNK, SWAP, PAGE_SHIFT, FLAT_STAGES)
         else:
             m, l, acc = _chunk_state(q_tile, pos, hi, p, k, v, page_row, page_size, stride_page, stride_slot,
                                      qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT, first_pages)
-            _store_chunk_state(part_m, part_l, part_acc, first + p * GROUP, keep, m, l, acc, GROUP, D, SWAP, SHARES)
+            _store_chunk_state(part_m, part_l, part_acc, first + p * GROUP, keep, m, l, acc, D, SWAP)
             if not ONE_CHUNK:
                 for chunk in range(p + per_split, n_need, per_split):
                     m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page,
                                              stride_slot, qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT)
-                    _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, l, acc, GROUP, D,
-                                       SWAP, SHARES)
-        if MERGERS == 0:
-            tl.debug_barrier()  # every thread's stores precede the release
-            ticket = tl.atomic_add(tickets + tail, mine, sem="acq_rel", scope="gpu")
-            if ticket + mine == n_need:  # this program stored the last of the chunk states
-                tl.atomic_xchg(tickets + tail, 0, sem="relaxed", scope="gpu")  # _tickets.py
-                _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head,
-                                    n_heads, 0, GROUP, MERGE_ROWS, D, 1, False)
-        else:
-            # the pair's first MERGERS programs (fewer where it has fewer), a share of the columns each
-            mergers = tl.minimum(MERGERS, tl.minimum(per_split, n_need))
-            for share in range(p, MERGERS, mergers):
-                _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head,
-                                    n_heads, share, GROUP, MERGE_ROWS, D, MERGERS, True)
+                    _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, l, acc, D, SWAP)
+        tl.debug_barrier()  # every thread's stores precede the release
+        ticket = tl.atomic_add(tickets + tail, mine, sem="acq_rel", scope="gpu")
+        if ticket + mine == n_need:  # this program stored the last of the chunk states
+            tl.atomic_xchg(tickets + tail, 0, sem="relaxed", scope="gpu")  # _tickets.py
+            _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
+                                GROUP, MERGE_ROWS, D)
 
 
 # ---- the forward, warp-specialised (Gluon) ---------------------------------------------------------
@@ -1815,13 +1745,10 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     pairs = n_seqs * keys.n_heads
     walks, per_split, stages, flat_stages = _decode_grid(pairs, n_chunks, resident_programs(q.device), cfg)
     split = pairs - walks  # pairs split across programs: their chunk states go through memory
-    mergers = _decode_mergers(walks, split, per_split, n_chunks, group, d, stages, resident_programs(q.device), cfg)
-    # the chunk states: m and l (a copy for each of a polled merge's shares), acc; 16-byte aligned
-    n_ml = -(-split * n_chunks * max(mergers, 1) * group // 4) * 4 or 4
-    n_acc = split * n_chunks * group * d or d
-    states = (unwritten_states(q.device, 2 * n_ml + n_acc) if mergers
-              else torch.empty(2 * n_ml + n_acc, device=q.device, dtype=torch.float32))
-    part_m, part_l, part_acc = states[:n_ml], states[n_ml:2 * n_ml], states[2 * n_ml:2 * n_ml + n_acc]
+    states = (split, n_chunks, group) if split else (1,)
+    part_m = torch.empty(states, device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((*states, d), device=q.device, dtype=torch.float32)
     # ticket counters (one per split pair; a walk takes none) that the merging programs leave at zero
     tickets = zeroed_tickets(q.device, max(split, 1))
     # walks alone keep a (1, kv heads, sequences) grid: on the 1-D one the deep walk ran 4-5% slower in
@@ -1833,32 +1760,7 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
         ROWS=decode_rows(group, d), MERGE_ROWS=triton.next_power_of_2(group), D=d, KV_BLOCK=KV_BLOCK,
         KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"], FROM_LENS=queries.from_lens,
         SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size), FLAT_STAGES=flat_stages,
-        ONE_CHUNK=bool(split and n_chunks <= per_split), MERGERS=mergers, num_warps=cfg["num_warps"],
-        num_stages=stages)
-
-
-# the most float32 words of chunk states a polled merge keeps in its stream's buffer (64 MiB): longer
-# grids merge after the ticket
-_POLLED_STATES_MAX = 1 << 24
-
-
-def _decode_mergers(walks: int, split: int, per_split: int, n_chunks: int, group: int, head_dim: int, stages: int,
-                    sms: int, cfg: dict) -> int:
-    """How many of a split pair's programs merge its chunk states, polling them, a share of the
-    columns each (TUNING["decode"]'s MERGERS from MERGE_FROM chunks), or 0: the last program to take
-    the pair's ticket merges them all. A polling program waits for the others' stores, so only a grid
-    of splits alone whose programs are all resident at once (at the ring's programs an SM) polls, and
-    never the interpreter, which runs one program after another."""
-    mergers = cfg["MERGERS"]
-    if mergers < 0 or mergers & (mergers - 1) or head_dim % max(mergers, 1):
-        raise ValueError(f"attention (triton): TUNING['decode']['MERGERS'] = {mergers}: 0, or a power of two that "
-                         f"divides the head dim ({head_dim})")
-    per_sm = cfg["SPLIT_PER_SM"] if stages == cfg["SPLIT_STAGES"] else cfg["PROGRAMS_PER_SM"]
-    if (INTERPRETING or walks or not split or not mergers or n_chunks < cfg["MERGE_FROM"]
-            or split * per_split > per_sm * sms
-            or split * n_chunks * group * (head_dim + 2 * mergers) > _POLLED_STATES_MAX):
-        return 0
-    return mergers
+        ONE_CHUNK=bool(split and n_chunks <= per_split), num_warps=cfg["num_warps"], num_stages=stages)
 
 
 def decode_page_shift(page_size: int) -> int:
