@@ -65,7 +65,7 @@ def _merge_only(part_m, part_l, part_acc, scr_a, scr_b, scr_t, out, lse, n_chunk
                 D: tl.constexpr, NB: tl.constexpr, AHEAD: tl.constexpr, MODE: tl.constexpr):
     pair = tl.program_id(0)
     if MODE == 0:
-        A._merge_chunk_states(part_m, part_l, part_acc, out, lse, pair, n_chunks, n_need, 0, 0, pair, 32, GROUP, GROUP,
+        A._merge_chunk_states(part_m, part_l, part_acc, out, lse, pair, n_chunks, n_need, 0, pair, 32, GROUP, GROUP,
                               D)
     else:
         g = tl.arange(0, GROUP)
