@@ -56,7 +56,6 @@
 #               T = 256, decode programs a pair forced; clocks: clocks and power; mma: mma.sync's bits against wgmma's)
 #   probe_decode benchmarks/probe_decode.py $PROBE_ARGS (a timeline of the split decode path's programs: where a
 #               small batch's step waits; default batch 1 and 16 at 1k / 4k / 16k keys)
-#   probe_chunks benchmarks/probe_chunks.py $PROBE_CASES (the Gluon split decode's steps, stamped: cp.async and TMA copies)
 #   probe_merge benchmarks/probe_merge.py (the split decode's merge alone, a state at a time and in two passes)
 #   probe_prefill benchmarks/probe_prefill.py $PROBE_ARGS (the Gluon forward with its softmax, row sums or rescale
 #               left out, and without chunk merges, each timed against the whole: where prefill's time goes)
@@ -176,8 +175,6 @@ for stage in "$@"; do
                > "$OUT/probe_limits.log" 2>&1; tail -30 "$OUT/probe_limits.log" ;;
     probe_decode) link_lockstep; timeout 300 python3 benchmarks/probe_decode.py ${PROBE_ARGS:-} \
                > "$OUT/probe_decode.log" 2>&1; tail -30 "$OUT/probe_decode.log" ;;
-    probe_chunks) link_lockstep; timeout 200 python3 benchmarks/probe_chunks.py ${PROBE_CASES:-} > "$OUT/probe_chunks.log" 2>&1
-             tail -14 "$OUT/probe_chunks.log" ;;
     probe_merge) link_lockstep; timeout 200 python3 benchmarks/probe_merge.py > "$OUT/probe_merge.log" 2>&1
              tail -10 "$OUT/probe_merge.log" ;;
     probe_partial) link_lockstep; timeout 200 python3 benchmarks/probe_partial_tiles.py "$OUT/probe_partial.md" ${PROBE_ARGS:-} \

@@ -60,7 +60,6 @@ import triton.language as tl
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -188,7 +187,7 @@ TUNING = {
     # 20 0.996-1.007 (61%), 22-23 0.976-1.001 (67-70%)
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
                    WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2, FLAT_STAGES=5,
-                   WALK_FILL=0.72, GLUON=True, GLUON_PER_SM=1, GLUON_TMA=True),
+                   WALK_FILL=0.72),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
@@ -757,281 +756,6 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
             tl.atomic_xchg(tickets + tail, 0, sem="relaxed", scope="gpu")  # _tickets.py
             _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
                                 GROUP, MERGE_ROWS, D)
-
-
-# ---- split decode, a chunk at once (Gluon) -----------------------------------------------------------
-# _decode_chunk_kernel's split path (a grid of splits alone) for 16-bit tiles on Hopper, one program an
-# SM, with a chunk's blocks scheduled together instead of one after the other. The contract fixes what
-# is a chain (a chunk state folds its blocks in order, each block's P@V and row sums accumulating onto
-# the state rescaled by that block's alpha), not when each block's other work runs: a block's q.k, row
-# maxima, probabilities and alpha depend only on its keys and the maxima of the blocks before it (a
-# running maximum: exact in any order). So the program copies the chunk's whole K and V, issues the
-# blocks' q.k at once, takes their softmaxes together (one trip of P through shared memory for the
-# chunk instead of one a block), and only the row-sum and P@V wgmmas run as the chain. The tl kernel's
-# operations, per element and in its order: the swapped tile (_fold_block's SWAP), _block_softmax,
-# the chunk states stored, ticketed and merged (_merge) in chunk order. A program's next chunk's K is
-# copied once its q.k is done, beside the softmax and the chain.
-# Copies (TMA): cp.async by every thread, keys past the sequence's last not read and landing as zeros
-# (the tl kernel's masked loads); or TMA boxes of a page (host descriptors, _TmaView), the V rows past
-# the last key in its block zeroed after they land.
-
-@gluon.jit
-def _now(dep):
-    """%globaltimer once the scalar `dep` is ready (benchmarks/probe_decode.py's stamps)."""
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=gl.int64, is_pure=False,
-                                     pack=1)
-
-
-@gluon.jit
-def _chunk_entries(page_row, start, last_page, LOAD_L: gl.constexpr, KV_CHUNK: gl.constexpr, BOX: gl.constexpr,
-                   PAGE_SHIFT: gl.constexpr, TMA: gl.constexpr):
-    """The page entries of the chunk of keys from `start` (those past last_page read as 0): cp.async,
-    a key's entry for each key of the copy layout's rows; TMA, a box's entry for each box."""
-    if TMA:
-        entries = ()
-        for j in gl.static_range(KV_CHUNK // BOX):
-            page = (start + j * BOX) >> PAGE_SHIFT
-            entries = entries + (gl.load(page_row + page, mask=page <= last_page, other=0),)
-    else:
-        pages = (start + gl.arange(0, KV_CHUNK, layout=gl.SliceLayout(1, LOAD_L))) >> PAGE_SHIFT
-        entries = gl.load(page_row + pages, mask=pages <= last_page, other=0)
-    return entries
-
-
-@gluon.jit
-def _chunk_copy(src, desc, smem, bar, entries, start, hi, stride_page, stride_slot, page_rows, head_row, col,
-                LOAD_L: gl.constexpr, PAGE_SHIFT: gl.constexpr, TMA: gl.constexpr):
-    """The copies of a chunk's keys from `start` (K or V: src, head 0 at column 0; or its descriptor)
-    into smem [KV_CHUNK, D]: cp.async (one commit group; keys past hi not read, landing as zeros) or
-    TMA boxes of a page on mbarrier bar (a box past hi's page reads page 0, whose entries read as 0;
-    _zero_tail zeroes the V rows past hi that a fold reads)."""
-    KV_CHUNK: gl.constexpr = smem.shape[0]
-    if TMA:
-        BOX: gl.constexpr = desc.block_type.shape[0]
-        mbarrier.expect(bar, (KV_CHUNK // BOX) * desc.block_type.nbytes)
-        for j in gl.static_range(KV_CHUNK // BOX):
-            key = start + j * BOX
-            row = entries[j] * page_rows + head_row + (key & ((1 << PAGE_SHIFT) - 1))
-            tma.async_copy_global_to_shared(desc, [row, col], bar, smem.slice(j * BOX, BOX))
-    else:
-        D: gl.constexpr = smem.shape[1]
-        keys = start + gl.arange(0, KV_CHUNK, layout=gl.SliceLayout(1, LOAD_L))
-        offsets = entries.to(gl.int64) * stride_page + (keys & ((1 << PAGE_SHIFT) - 1)).to(gl.int64) * stride_slot
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD_L))
-        async_copy.async_copy_global_to_shared(smem, src + offsets[:, None] + cols[None, :],
-                                               mask=(keys <= hi)[:, None])
-        async_copy.commit_group()
-
-
-@gluon.jit
-def _chunk_wait(bar, phase, in_flight: gl.constexpr, TMA: gl.constexpr):
-    """Wait for a chunk's K or V copies (cp.async: all but the in_flight latest commit groups), then
-    make them every thread's and the wgmmas'."""
-    if TMA:
-        mbarrier.wait(bar, phase)
-    else:
-        async_copy.wait_group(in_flight)
-        fence_async_shared()
-    gl.thread_barrier()
-
-
-@gluon.jit
-def _zero_tail(v_smem, start, hi, KV_BLOCK: gl.constexpr):
-    """TMA: zero the V rows past key hi in hi's block (whatever their pages hold: NaN in a fresh cache),
-    so that P's zeros there meet zeros, as the tl kernel's masked loads give."""
-    V_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    for b in gl.static_range(v_smem.shape[0] // KV_BLOCK):
-        if (hi - start) // KV_BLOCK == b and (hi + 1) % KV_BLOCK != 0:
-            blk = v_smem.slice(b * KV_BLOCK, KV_BLOCK)
-            v_rows = blk.load(V_L)
-            keys = start + b * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(1, V_L))
-            blk.store(gl.where((keys <= hi)[:, None], v_rows, gl.zeros_like(v_rows)))
-    fence_async_shared()
-    gl.thread_barrier()
-
-
-@gluon.jit
-def _gl_merge_chunk_states(part_m, part_l, part_acc, out, lse, first, n_need, begin, kv_head, n_heads,
-                           GROUP: gl.constexpr, MERGE_ROWS: gl.constexpr, D: gl.constexpr):
-    """_merge_chunk_states for the Gluon split: the pair's n_need chunk states merged in chunk order
-    (_merge) and its rows stored, each step's _MERGE_AHEAD states loaded before the first of them is
-    merged (their loads do not wait on a merge)."""
-    M_L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
-    ROW: gl.constexpr = gl.SliceLayout(1, M_L)
-    g = gl.arange(0, MERGE_ROWS, layout=ROW)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, M_L))
-    m_t = gl.full([MERGE_ROWS], float("-inf"), gl.float32, ROW)
-    l_t = gl.zeros([MERGE_ROWS], gl.float32, ROW)
-    acc_t = gl.zeros([MERGE_ROWS, D], gl.float32, M_L)
-    for c_step in range(0, n_need, _MERGE_AHEAD):
-        states = ()
-        for i in gl.static_range(_MERGE_AHEAD):
-            at = first + (c_step + i) * GROUP + g
-            here = (g * 0 + c_step + i) < n_need
-            states = states + ((gl.load(part_m + at, mask=here, other=0.0), gl.load(part_l + at, mask=here, other=0.0),
-                                gl.load(part_acc + at[:, None] * D + cols[None, :], mask=here[:, None], other=0.0)),)
-        for i in gl.static_range(_MERGE_AHEAD):
-            m_c, l_c, acc_c = states[i]
-            m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_c, l_c, acc_c, False)
-            here = c_step + i < n_need
-            m_t, l_t, acc_t = gl.where(here, m_n, m_t), gl.where(here, l_n, l_t), gl.where(here, acc_n, acc_t)
-    tok, head = _rows(g, begin, 1, kv_head, GROUP)
-    idx = tok * n_heads + head
-    keep = g < GROUP
-    gl.store(out + idx[:, None] * D + cols[None, :], _normalised(acc_t, l_t, False).to(out.dtype.element_ty),
-             mask=keep[:, None])
-    gl.store(lse + idx, _lse(m_t, l_t), mask=keep)
-
-
-@gluon.jit
-def _decode_chunks_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q_begin, q_count, q_pos, page_table,
-                          stride_table, stride_page, stride_head, stride_slot, n_heads, qk_scale, n_chunks, per_split,
-                          table_width, k_desc, v_desc, page_rows, head_rows, head_cols, stamps,
-                          GROUP: gl.constexpr, ROWS: gl.constexpr, MERGE_ROWS: gl.constexpr, D: gl.constexpr,
-                          KV_BLOCK: gl.constexpr, KV_CHUNK: gl.constexpr, FROM_LENS: gl.constexpr,
-                          PAGE_SHIFT: gl.constexpr, TMA: gl.constexpr, STAMPS: gl.constexpr = False):
-    """Program pid takes chunks p, p + P, ... (P = per_split, p = pid % P) of (sequence, kv head) pair
-    pid // P, a chunk at once (above); the last of a pair's programs to finish merges its chunk
-    states. Pages of 2^PAGE_SHIFT keys (a linear K/V: one page a sequence); ROWS: the group's heads
-    padded to 16, the N side of the swapped tile. TMA: copies through k_desc / v_desc (_TmaView's
-    page_rows, head_rows, head_cols), else cp.async from k / v. STAMPS (benchmarks/probe_decode.py):
-    %globaltimer at each step of the program's last chunk into stamps[pid, :16]."""
-    pid = gl.program_id(0)
-    pair = pid // per_split
-    p = pid % per_split
-    n_kv = n_heads // GROUP
-    seq, kv_head = pair // n_kv, pair % n_kv
-    dtype: gl.constexpr = q.dtype.element_ty
-    CB: gl.constexpr = KV_CHUNK // KV_BLOCK
-    if TMA:
-        BOX: gl.constexpr = k_desc.block_type.shape[0]
-        KV_L: gl.constexpr = k_desc.layout
-    else:
-        BOX: gl.constexpr = KV_BLOCK
-        KV_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KV_BLOCK, D], dtype)
-    # a chunk's K or V by cp.async: 16 B a copy, a warp 16 keys x 32 B (whole sectors), 4 keys a thread
-    LOAD_L: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    T_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16])
-    COL: gl.constexpr = gl.SliceLayout(0, T_L)  # per row of the decode tile (a column of S^T)
-    KEY: gl.constexpr = gl.SliceLayout(1, T_L)
-    if STAMPS:
-        stamp_row = stamps + pid * 16
-        gl.store(stamp_row, _now(pid))
-    page_row = page_table + seq * stride_table
-    # the first chunk's page entries, issued beside the bounds' loads (masked by the table's width)
-    entries = _chunk_entries(page_row, p * KV_CHUNK, table_width - 1, LOAD_L, KV_CHUNK, BOX, PAGE_SHIFT, TMA)
-    begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, QL))
-    tok, head = _rows(rows, begin, 1, kv_head, GROUP)
-    q_rows = gl.load(q + (tok * n_heads + head)[:, None] * D + gl.arange(0, D, layout=gl.SliceLayout(0, QL))[None, :])
-    cols = gl.arange(0, ROWS, layout=COL)
-    tok_c, _ = _rows(cols, begin, 1, kv_head, GROUP)
-    pos = _query_pos(q_pos, tok_c, cols, seq, 1, GROUP, FROM_LENS)
-    hi = gl.max(pos, 0)
-    n_need = hi // KV_CHUNK + 1  # the chunks that hold keys
-    if (n_queries != 1) | (p >= n_need):
-        return
-    if STAMPS:
-        gl.store(stamp_row + 1, _now(hi))
-    k, v = k + kv_head * stride_head, v + kv_head * stride_head
-    head_row, col = kv_head * head_rows, kv_head * head_cols
-    k_smem = gl.allocate_shared_memory(dtype, [KV_CHUNK, D], KV_L)
-    v_smem = gl.allocate_shared_memory(dtype, [KV_CHUNK, D], KV_L)
-    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # TMA: K's, V's
-    if TMA:
-        mbarrier.init(bars.index(0), count=1)
-        mbarrier.init(bars.index(1), count=1)
-        fence_async_shared()
-    _chunk_copy(k, k_desc, k_smem, bars.index(0), entries, p * KV_CHUNK, hi, stride_page, stride_slot, page_rows,
-                head_row, col, LOAD_L, PAGE_SHIFT, TMA)
-    _chunk_copy(v, v_desc, v_smem, bars.index(1), entries, p * KV_CHUNK, hi, stride_page, stride_slot, page_rows,
-                head_row, col, LOAD_L, PAGE_SHIFT, TMA)
-    q_smem = gl.allocate_shared_memory(dtype, [ROWS, D], gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype), q_rows)
-    p_smem = gl.allocate_shared_memory(dtype, [CB, ROWS, KV_BLOCK],
-                                       gl.NVMMASharedLayout.get_default_for([ROWS, KV_BLOCK], dtype))
-    q_b = q_smem.permute((1, 0))  # Q^T [D, ROWS]: the B operand of S^T = K Q^T
-    ones = gl.full([_SUM_ROWS, KV_BLOCK], 1.0, gl.float32, gl.DotOperandLayout(0, T_L, 2)).to(dtype)
-    s0 = gl.zeros([KV_BLOCK, ROWS], gl.float32, T_L)
-    d_rows = gl.arange(0, D, layout=gl.SliceLayout(1, T_L))
-    keep = cols < GROUP
-    first = (pair * n_chunks).to(gl.int64) * GROUP  # the pair's chunk states
-    mine = (n_need - 1 - p) // per_split + 1
-    for i in range(0, mine):
-        chunk = p + i * per_split
-        start = chunk * KV_CHUNK
-        more = i + 1 < mine
-        # the next chunk's page entries, ahead of its copies (past the last chunk: none, all masked)
-        entries_n = _chunk_entries(page_row, start + per_split * KV_CHUNK, hi >> PAGE_SHIFT, LOAD_L, KV_CHUNK, BOX,
-                                   PAGE_SHIFT, TMA)
-        fence_async_shared()  # q's store (the first chunk), before the wgmmas read it
-        _chunk_wait(bars.index(0), i & 1, 1, TMA)  # this chunk's K (its V may still fly)
-        if STAMPS:
-            gl.store(stamp_row + 2, _now(hi))
-        s_all = ()
-        for b in gl.static_range(CB):
-            s_all = s_all + (warpgroup_mma(k_smem.slice(b * KV_BLOCK, KV_BLOCK), q_b, s0, use_acc=False,
-                                           is_async=True),)
-        s_all = warpgroup_mma_wait(num_outstanding=0, deps=s_all)
-        gl.thread_barrier()  # every warp's q.k read K: the next chunk's copies may overwrite it
-        if STAMPS:
-            gl.store(stamp_row + 3, _now(hi))
-        if more:
-            entries = entries_n
-            _chunk_copy(k, k_desc, k_smem, bars.index(0), entries, start + per_split * KV_CHUNK, hi, stride_page,
-                        stride_slot, page_rows, head_row, col, LOAD_L, PAGE_SHIFT, TMA)
-        # the blocks' softmaxes in order (the running maximum their chain), P^T into shared memory
-        m_c = gl.full([ROWS], float("-inf"), gl.float32, COL)
-        alphas = ()
-        for b in gl.static_range(CB):
-            key_pos = start + b * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=KEY)
-            m_c, alpha, pr = _block_softmax(s_all[b], key_pos, pos, m_c, qk_scale, True)
-            alphas = alphas + (alpha,)
-            p_smem.index(b).store(gl.permute(pr.to(dtype), (1, 0)))
-        if STAMPS:
-            gl.store(stamp_row + 4, _now(hi))
-        fence_async_shared()  # P^T's stores, before the wgmmas read them
-        if more:
-            _chunk_wait(bars.index(1), i & 1, 1, TMA)  # this chunk's V (the next chunk's K still flies)
-        else:
-            _chunk_wait(bars.index(1), i & 1, 0, TMA)
-        if TMA:
-            _zero_tail(v_smem, start, hi, KV_BLOCK)
-        if STAMPS:
-            gl.store(stamp_row + 5, _now(hi))
-        # the chain: the blocks that hold keys (the tl kernel never folds a block past hi)
-        n_blk = (gl.minimum(hi - start, KV_CHUNK - 1)) // KV_BLOCK + 1
-        l_c = gl.zeros([_SUM_ROWS, ROWS], gl.float32, T_L)
-        acc_c = gl.zeros([D, ROWS], gl.float32, T_L)
-        for b in gl.static_range(CB):
-            if b < n_blk:
-                p_b = p_smem.index(b).permute((1, 0))
-                l_c = warpgroup_mma(ones, p_b, l_c * alphas[b], is_async=True)
-                acc_c = warpgroup_mma(v_smem.slice(b * KV_BLOCK, KV_BLOCK).permute((1, 0)), p_b, acc_c * alphas[b],
-                                      is_async=True)
-                l_c, acc_c = warpgroup_mma_wait(num_outstanding=0, deps=(l_c, acc_c))
-        if STAMPS:
-            gl.store(stamp_row + 6, _now(hi))
-        slot = first + chunk * GROUP + cols
-        gl.store(part_m + slot, m_c, mask=keep)
-        gl.store(part_l + slot, _tile_sums(l_c, True), mask=keep)  # every row of l_c holds the sum
-        gl.store(part_acc + slot[None, :] * D + d_rows[:, None], acc_c, mask=keep[None, :])
-        gl.thread_barrier()  # every warp's P@V read V (and P): the next chunk's copies may overwrite it
-        if more:
-            _chunk_copy(v, v_desc, v_smem, bars.index(1), entries, start + per_split * KV_CHUNK, hi, stride_page,
-                        stride_slot, page_rows, head_row, col, LOAD_L, PAGE_SHIFT, TMA)
-    if TMA:
-        mbarrier.invalidate(bars.index(0))
-        mbarrier.invalidate(bars.index(1))
-    ticket = gl.atomic_add(tickets + pair, mine, sem="acq_rel", scope="gpu")  # (after the barrier above)
-    if STAMPS:
-        gl.store(stamp_row + 7, _now(ticket))
-    if ticket + mine == n_need:  # this program stored the last of the chunk states
-        gl.atomic_xchg(tickets + pair, 0, sem="relaxed", scope="gpu")  # _tickets.py
-        _gl_merge_chunk_states(part_m, part_l, part_acc, out, lse, first, n_need, begin, kv_head, n_heads, GROUP,
-                               MERGE_ROWS, D)
-        if STAMPS:
-            gl.store(stamp_row + 8, _now(ticket))
 
 
 # ---- the forward, warp-specialised (Gluon) ---------------------------------------------------------
@@ -2023,11 +1747,7 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
                          "unpipelined made an illegal memory access on an H200 (Triton 3.6); use num_stages >= 2")
     n_chunks = triton.cdiv(keys.max_count, KV_CHUNK)
     pairs = n_seqs * keys.n_heads
-    sms = resident_programs(q.device)
-    walks, per_split, stages, flat_stages = _decode_grid(pairs, n_chunks, sms, cfg)
-    gluon_split = _gluon_split(keys, group, cfg, pairs, n_chunks, sms) if walks == 0 else 0
-    if gluon_split:
-        per_split = gluon_split
+    walks, per_split, stages, flat_stages = _decode_grid(pairs, n_chunks, resident_programs(q.device), cfg)
     split = pairs - walks  # pairs split across programs: their chunk states go through memory
     states = (split, n_chunks, group) if split else (1,)
     part_m = torch.empty(states, device=q.device, dtype=torch.float32)
@@ -2037,10 +1757,6 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     tickets = zeroed_tickets(q.device, max(split, 1))
     # walks alone keep a (1, kv heads, sequences) grid: on the 1-D one the deep walk ran 4-5% slower in
     # an A/B (the twenty-fourth session; the same loop by ptxas), for no reason found
-    if gluon_split:
-        _launch_chunks(queries, keys, out, lse, part_m, part_l, part_acc, tickets, group, qk_scale, n_chunks, per_split,
-                       _tma_view(keys) if cfg["GLUON_TMA"] else None)
-        return
     grid = (walks + split * per_split, 1, 1) if split else (1, keys.n_heads, n_seqs)
     _decode_chunk_kernel[grid](
         q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, *_query_args(queries),
@@ -2049,48 +1765,6 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
         KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"], FROM_LENS=queries.from_lens,
         SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size), FLAT_STAGES=flat_stages,
         ONE_CHUNK=bool(split and n_chunks <= per_split), num_warps=cfg["num_warps"], num_stages=stages)
-
-
-def _launch_chunks(queries: _Queries, keys: _Keys, out, lse, part_m, part_l, part_acc, tickets, group: int,
-                   qk_scale: float, n_chunks: int, per_split: int, view: _TmaView | None,
-                   stamps: torch.Tensor | None = None) -> None:
-    """_decode_chunks_kernel over every (sequence, kv head) pair, per_split programs each: its copies by
-    TMA through view's host descriptors (boxes of a page), or with view None by cp.async; stamps
-    (benchmarks/probe_decode.py's, [programs, 16] int64) its steps' times."""
-    q, d = queries.q, queries.q.shape[2]
-    if view is None:
-        k_desc = v_desc = None
-        page_rows = head_rows = head_cols = 0
-    else:
-        k_desc, v_desc = (gluon_descriptor(t.as_strided((view.rows, view.width), (keys.stride_slot, 1)), [view.box, d])
-                          for t in (keys.k, keys.v))
-        page_rows, head_rows, head_cols = view.page_rows, view.head_rows, view.head_cols
-    _decode_chunks_kernel[(queries.n_seqs * keys.n_heads * per_split,)](
-        q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, *_query_args(queries), keys.table,
-        keys.table.stride(0), keys.stride_page, keys.stride_head, keys.stride_slot, q.shape[1], qk_scale, n_chunks,
-        per_split, keys.table.shape[1], k_desc, v_desc, page_rows, head_rows, head_cols, stamps, GROUP=group,
-        ROWS=_SUM_COLS.value, MERGE_ROWS=triton.next_power_of_2(group), D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK,
-        FROM_LENS=queries.from_lens, PAGE_SHIFT=decode_page_shift(keys.page_size), TMA=view is not None,
-        STAMPS=stamps is not None, num_warps=4)
-
-
-def _gluon_split(keys: _Keys, group: int, cfg: dict, pairs: int, n_chunks: int, sms: int) -> int:
-    """Programs a pair of the Gluon split decode (_decode_chunks_kernel) on a grid of splits alone, or 0
-    where it does not run: TUNING["decode"]["GLUON"] off, tiles it does not take (16-bit on Hopper
-    with the swapped tile, head_dim 64 or 128, at most 16 heads a group, pages of a power of two,
-    head dims contiguous and slots 16-byte aligned for its 16-byte copies), or pairs that GLUON_PER_SM
-    programs an SM would not split."""
-    k, v = keys.k, keys.v
-    d = k.shape[-1]
-    if not (cfg["GLUON"] and _on_gluon(k) and decode_swapped(d) and d in (64, 128) and group <= _SUM_COLS.value
-            and decode_page_shift(keys.page_size) >= 0 and KV_CHUNK % KV_BLOCK == 0 and k.stride() == v.stride()
-            and k.stride(-1) == 1 and is_aligned(k) and is_aligned(v)
-            and (keys.stride_slot * k.element_size()) % ALIGN_BYTES == 0
-            and (keys.stride_head * k.element_size()) % ALIGN_BYTES == 0
-            and (keys.stride_page * k.element_size()) % ALIGN_BYTES == 0):
-        return 0
-    per_split = min(n_chunks, cfg["GLUON_PER_SM"] * sms // max(pairs, 1))
-    return per_split if per_split > 1 else 0
 
 
 def decode_page_shift(page_size: int) -> int:
