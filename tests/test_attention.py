@@ -550,14 +550,6 @@ for name, variant in (("swapped split deep", {}), ("swapped split deep one chunk
                                                FLAT_STAGES=cfg["FLAT_STAGES"], ONE_CHUNK=False, **common),
                                             **variant},
         cfg["num_warps"], cfg["SPLIT_STAGES"])
-# the warp-specialised split (Gluon): vLLM's 16-key pages (boxes of a page), and a linear K/V (boxes of a block)
-SPLIT_INTS = {"stride_table", "page_rows", "head_rows", "head_cols", "n_heads", "n_chunks", "per_split"}
-for name, box, shift in (("gluon split", 16, A.decode_page_shift(16)), ("gluon split linear", A.KV_BLOCK,
-                                                                       A.decode_page_shift(1 << 30))):
-    decode[name] = compile_sm90(A._decode_ws_kernel, lambda n: ws_desc(box) if n.endswith("_all") else "i32"
-                                if n in SPLIT_INTS else types(n),
-                                dict(MERGE_ROWS=4, PAGE_SHIFT=shift, STAGES=cfg["GLUON_STAGES"], FROM_LENS=True,
-                                     **common), 4, 1)
 print(json.dumps([prefill, linear, gluon, gluon_q_regs, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, dq_gluon_q_regs,
                   decode]))
 """
@@ -599,15 +591,10 @@ def test_decode_and_prefill_multiply_with_wgmma():
     # ... and with q and dO in registers (GLUON_Q_REGS: the A operands of its q.k and dO.v wgmmas)
     assert dq_gluon_q_regs["mma"] == dq["mma"] and dq_gluon_q_regs["spill_bytes"] == 0, dq_gluon_q_regs
     # no decode kernel spills: the swapped ones (the table's), nor the padded ones, whose 64-row tiles
-    # hold up to the 255-register limit (the mixed grid, a walk beside splits: 255, probed); the
-    # warp-specialised split runs the swapped tile's instruction, GLUON_PER_SM programs an SM
-    gluon_split = {name: decode.pop(name) for name in ("gluon split", "gluon split linear")}
+    # hold up to the 255-register limit (the mixed grid, a walk beside splits: 255, probed)
     for name, d in decode.items():
         assert {version for version, _ in d["mma"]} == {"3"}, f"decode ({name}) MMAs {d['mma']}"
         assert d["spill_bytes"] == 0, (name, d)
-    for name, d in gluon_split.items():
-        assert d["mma"] == decode["swapped"]["mma"] and d["warp_specialized"] and d["spill_bytes"] == 0, (name, d)
-        assert 227 * 1024 // d["shared_bytes"] == A.TUNING["decode"]["GLUON_PER_SM"], (name, d)
     for name in ("padded", "padded in registers"):
         assert decode[name]["mma"] == prefill["mma"], f"prefill MMAs {prefill['mma']} != decode ({name}) {decode[name]['mma']}"
     # the programs an SM that the decode grid and the walk's ring rule count on are what fits, in
@@ -840,11 +827,10 @@ def test_gpu_paged_prefill_takes_the_gluon_forward_with_the_training_bits(gpu_tr
 @pytest.mark.parametrize("swap", [True, False], ids=["swapped", "padded"])
 @pytest.mark.parametrize("per_sm,walk_stages,split_per_sm,flat_stages",
                          [(16, None, 16, None), (16, None, 16, 0), (16, None, 0, None), (16, None, "two-ways", None),
-                          (16, None, "one-chunk", None), (16, None, "gluon", None), (16, None, "gluon-one-chunk", None),
-                          (0, None, None, None), (0, 2, None, None), (None, None, None, None)],
+                          (16, None, "one-chunk", None), (0, None, None, None), (0, 2, None, None),
+                          (None, None, None, None)],
                          ids=["split", "split-a-loop-a-chunk", "split-2-stages", "split-two-ways", "split-one-chunk",
-                              "gluon-split", "gluon-split-one-chunk", "one-program", "one-program-2-stages",
-                              "walks-and-split-tail"])
+                              "one-program", "one-program-2-stages", "walks-and-split-tail"])
 def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, per_sm, walk_stages, split_per_sm,
                                                  flat_stages):
     """Decode tiles at Qwen3-8B heads (bf16, head_dim 128, group 4), with the dots' operands swapped
@@ -855,18 +841,13 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
     training output, bit for bit, at positions across blocks and chunks. A grid of splits alone runs
     on the SPLIT_STAGES ring, or (SPLIT_PER_SM 0) on the table's; "two-ways": as many an SM as split
     each pair two ways on the SPLIT_STAGES ring (each program's 6 chunks in one loop, interleaved);
-    "one-chunk": as many as give each chunk a program (the kernel built for that, ONE_CHUNK). "gluon":
-    the warp-specialised split (_decode_ws_kernel; the other cases run with GLUON off), 5-6 programs
-    a pair (several chunks each), or 12 (one each, GLUON_MIN_CHUNKS 1)."""
+    "one-chunk": as many as give each chunk a program (the kernel built for that, ONE_CHUNK)."""
     from lockstep.kernels._triton import attention as A
 
-    gluon = split_per_sm in ("gluon", "gluon-one-chunk")
-    if gluon and not swap:
-        pytest.skip("the Gluon split decode runs the swapped tile only")
-    cfg = {**A.TUNING["decode"], "SWAP": swap, "PROGRAMS_PER_SM": per_sm, "GLUON": gluon}
+    cfg = {**A.TUNING["decode"], "SWAP": swap, "PROGRAMS_PER_SM": per_sm}
     if walk_stages is not None:
         cfg["WALK_STAGES"] = walk_stages
-    if split_per_sm is not None and split_per_sm not in ("two-ways", "one-chunk", "gluon", "gluon-one-chunk"):
+    if split_per_sm is not None and split_per_sm not in ("two-ways", "one-chunk"):
         cfg["SPLIT_PER_SM"] = split_per_sm
     if flat_stages is not None:
         cfg["FLAT_STAGES"] = flat_stages
@@ -892,20 +873,10 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
         cfg.update(SPLIT_PER_SM=-(-2 * pairs // sms))
     if split_per_sm == "one-chunk":
         cfg.update(SPLIT_PER_SM=-(-12 * pairs // sms))
-    if gluon:
-        cfg.update(GLUON_PER_SM=-(-(12 if split_per_sm == "gluon-one-chunk" else 5) * pairs // sms),
-                   GLUON_MIN_CHUNKS=1 if split_per_sm == "gluon-one-chunk" else 2)
     monkeypatch.setitem(A.TUNING, "decode", cfg)
     assert A.decode_swapped(128) == swap
     walks, per_split, stages, flat = A._decode_grid(pairs, 12, sms, cfg)  # 3,000 keys: 12 chunks
-    gluon_splits = []
-    real_split = A._gluon_split
-    monkeypatch.setattr(A, "_gluon_split", lambda *a: gluon_splits.append(real_split(*a)) or gluon_splits[-1])
-    gluon_splits_n = lambda: [n for _, n in gluon_splits]  # noqa: E731
-    if gluon:  # its grid: the launch's _gluon_split (checked below), not _decode_grid's
-        expect = min(12, cfg["GLUON_PER_SM"] * sms // pairs)
-        assert (expect == 12) == (split_per_sm == "gluon-one-chunk") and expect > 1, expect
-    elif per_sm is None:
+    if per_sm is None:
         assert 0 < walks < pairs and per_split > 1 and not flat, (walks, per_split, pairs, flat)
     elif per_sm:
         assert walks == 0 and 1 < per_split <= 12, (walks, per_split)  # the longest: several chunks a program, or one
@@ -919,8 +890,6 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
     differ = (out != train[rows]).flatten(1).any(1)
     assert not differ.any(), f"decoded tokens differ from training at (sequence, position) " \
                              f"{[picks[i] for i in differ.nonzero().flatten().tolist()]}"
-    # the Gluon split ran where asked, with the programs a pair asked for, and nowhere else
-    assert (gluon_splits_n() == [expect]) if gluon else not any(gluon_splits_n()), gluon_splits
     # replayed from a CUDA graph: each merging program leaves its ticket at zero for the next replay
     # (a call on the capture stream first makes the stream's counters outside the graph, so the
     # graph holds no memset of them)

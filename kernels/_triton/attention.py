@@ -187,7 +187,7 @@ TUNING = {
     # 20 0.996-1.007 (61%), 22-23 0.976-1.001 (67-70%)
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
                    WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2, FLAT_STAGES=5,
-                   WALK_FILL=0.72, GLUON=True, GLUON_STAGES=4, GLUON_PER_SM=1, GLUON_MIN_CHUNKS=2),
+                   WALK_FILL=0.72),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
@@ -781,7 +781,6 @@ _WS_HALF = gl.constexpr(64)
 # the producer only issues loads
 _WS_CONSUMER_REGISTERS = gl.constexpr(240)
 _WS_PRODUCER_REGISTERS = gl.constexpr(24)
-_WS_DECODE_PRODUCER_REGISTERS = gl.constexpr(48)  # (a chunk's page entries in every lane: 24 spilled)
 
 
 @gluon.jit
@@ -1024,242 +1023,6 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
         (_ws_producer, (k_src, v_src, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
                         head_row, kv_head * head_cols, hi, row_hi, last, STAGES)),
     ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
-    invalidate_ring(ready, empty, STAGES)
-
-
-# ---- split decode, warp-specialised (Gluon) ---------------------------------------------------------
-# _decode_chunk_kernel's split path for pairs split into programs of several chunks (a grid of splits
-# alone, 16-bit tiles on Hopper), one program an SM: a producer warp brings each K/V block through TMA
-# (boxes of a page, the chunk's page entries in one load) into a STAGES-deep ring, and one consumer
-# warpgroup folds the blocks with the tl kernel's swapped tile (_fold_block's SWAP: S^T = K Q^T, l^T =
-# 1 P^T, O^T = V^T P^T, the group's heads as the MMA's N side of 16; P^T through shared memory, the B
-# operand of both), each block's q.k issued before the previous block's row sums and P@V are waited
-# for. The same operations in the same order per row: _block_softmax, the chunk states stored and
-# merged (_merge) in chunk order by the last of the pair's programs (a ticket), as the tl kernel's
-# split path. First built in the twenty-fifth session (a15559f: 1.05-1.09x the tl split at batch 1 x
-# 16k, reverted for its cells' still missing the bar), revived for those grids.
-
-@gluon.jit
-def _ws_decode_producer(k_all, v_all, k_smem, v_smem, ready, empty, page_row, page_rows, head_row, col, hi, p,
-                        per_split, n_need, KV_CHUNK: gl.constexpr, PAGE_SHIFT: gl.constexpr, STAGES: gl.constexpr):
-    """The blocks of chunks p, p + per_split, ... (those before n_need) into the ring, in order, as
-    boxes of one page (BOX keys: a page, or a block inside one) through the host descriptors. A
-    chunk's page entries come in one load before its boxes (entries past hi's page read as 0); a box
-    past hi is loaded too (whatever page 0 holds there; the consumer zeroes V past hi, and q.k's
-    products there are masked)."""
-    BOX: gl.constexpr = k_all.block_type.shape[0]
-    KV_BLOCK: gl.constexpr = k_smem.shape[1]
-    CB: gl.constexpr = KV_CHUNK // KV_BLOCK
-    NP: gl.constexpr = max(1, KV_CHUNK >> PAGE_SHIFT)
-    PG_L: gl.constexpr = gl.BlockedLayout([NP], [32], [1], [0])  # every lane holds every entry
-    j = gl.arange(0, NP, layout=PG_L)
-    step = 0
-    for chunk in range(p, n_need, per_split):
-        start = chunk * KV_CHUNK
-        pg = j + (start >> PAGE_SHIFT)
-        pages = gl.load(page_row + pg, mask=pg <= (hi >> PAGE_SHIFT), other=0)
-        for blk in range(chunk * CB, chunk * CB + CB):  # (a block past hi too: the consumer folds CB a chunk)
-            st = step % STAGES
-            mbarrier.wait(empty.index(st), ((step // STAGES) & 1) ^ 1)  # (a slot's first use passes at once)
-            bar = ready.index(st)
-            mbarrier.expect(bar, 2 * (KV_BLOCK // BOX) * k_all.block_type.nbytes)
-            for b in gl.static_range(KV_BLOCK // BOX):
-                key = blk * KV_BLOCK + b * BOX
-                page = gl.sum(gl.where(j == (key - start) >> PAGE_SHIFT, pages, 0), 0)
-                row = page * page_rows + head_row + (key & ((1 << PAGE_SHIFT) - 1))
-                tma.async_copy_global_to_shared(k_all, [row, col], bar, k_smem.index(st).slice(b * BOX, BOX))
-                tma.async_copy_global_to_shared(v_all, [row, col], bar, v_smem.index(st).slice(b * BOX, BOX))
-            step += 1
-
-
-@gluon.jit
-def _ws_softmax_t(s, blk, pos, m, qk_scale, n_full):
-    """_ws_softmax of a swapped tile (keys down dim 0: S^T): a block that every row sees whole skips
-    the mask, every bit the masked expression's."""
-    KV_BLOCK: gl.constexpr = s.shape[0]
-    if blk < n_full:
-        m_new, alpha, p = _scaled_softmax(s, m, qk_scale, True)
-    else:
-        key_pos = blk * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(1, s.type.layout))
-        m_new, alpha, p = _block_softmax(s, key_pos, pos, m, qk_scale, True)
-    return m_new, alpha, p
-
-
-@gluon.jit
-def _ws_zero_tail(v_tile, blk, hi):
-    """Zero the rows of block blk's V tile past key hi: they came from whatever their pages hold (NaN
-    in a fresh cache; a block wholly past hi from page 0), and P's zeros there must meet zeros, as
-    the tl kernel's masked loads give."""
-    KV_BLOCK: gl.constexpr = v_tile.shape[0]
-    if blk * KV_BLOCK + KV_BLOCK - 1 > hi:
-        V_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        v_rows = v_tile.load(V_L)
-        keys = blk * KV_BLOCK + gl.arange(0, KV_BLOCK, layout=gl.SliceLayout(1, V_L))
-        v_tile.store(gl.where((keys <= hi)[:, None], v_rows, gl.zeros_like(v_rows)))
-        fence_async_shared()
-        gl.thread_barrier()
-
-
-@gluon.jit
-def _ws_decode_consumer(q_smem, k_smem, v_smem, p_smem, ready, empty, part_m, part_l, part_acc, tickets, out, lse,
-                        q_pos, begin, seq, kv_head, n_heads, qk_scale, hi, p, per_split, n_need, n_chunks, pair,
-                        GROUP: gl.constexpr, MERGE_ROWS: gl.constexpr, KV_CHUNK: gl.constexpr, STAGES: gl.constexpr,
-                        FROM_LENS: gl.constexpr):
-    """Chunks p, p + per_split, ... of the pair: each chunk's blocks folded from the empty state and
-    its state stored (the group's rows); then a ticket, and the last of the pair's programs merges
-    every chunk's state in chunk order and stores the rows. Block b's q.k is issued before block
-    b - 1's row sums and P@V are waited for, whose MMAs then run beside block b's maxima (FA3's
-    pipelining within a warpgroup). A block past hi (in the last chunk) folds nothing: its keys are
-    masked and its V zeroed, so its P is zeros and alpha 1."""
-    ROWS: gl.constexpr = q_smem.shape[0]
-    D: gl.constexpr = k_smem.shape[2]
-    KV_BLOCK: gl.constexpr = k_smem.shape[1]
-    CB: gl.constexpr = KV_CHUNK // KV_BLOCK
-    dtype: gl.constexpr = k_smem.dtype
-    T_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16])
-    COL: gl.constexpr = gl.SliceLayout(0, T_L)  # per row of the decode tile (a column of S^T)
-    ones = gl.full([_SUM_ROWS, KV_BLOCK], 1.0, gl.float32, gl.DotOperandLayout(0, T_L, 2)).to(dtype)
-    cols = gl.arange(0, ROWS, layout=COL)
-    tok, _ = _rows(cols, begin, 1, kv_head, GROUP)
-    pos = _query_pos(q_pos, tok, cols, seq, 1, GROUP, FROM_LENS)
-    n_full = (hi + 1) // KV_BLOCK  # blocks every row sees whole
-    s0 = gl.zeros([KV_BLOCK, ROWS], gl.float32, T_L)
-    d_rows = gl.arange(0, D, layout=gl.SliceLayout(1, T_L))
-    keep = cols < GROUP
-    q_b = q_smem.permute((1, 0))  # Q^T: [D, ROWS], the B operand of S^T = K Q^T
-    p_b = p_smem.permute((1, 0))  # P^T
-    first = (pair * n_chunks).to(gl.int64) * GROUP  # the pair's chunk states
-    step = 0
-    for chunk in range(p, n_need, per_split):
-        blk0 = chunk * CB
-        m_c = gl.full([ROWS], float("-inf"), gl.float32, COL)
-        l_c = gl.zeros([_SUM_ROWS, ROWS], gl.float32, T_L)
-        acc_c = gl.zeros([D, ROWS], gl.float32, T_L)
-        # the chunk's CB blocks unrolled: no accumulator changes registers while its MMA flies (ptxas
-        # serialises every wgmma of a kernel where one does)
-        st = step % STAGES
-        mbarrier.wait(ready.index(st), (step // STAGES) & 1)
-        s = warpgroup_mma(k_smem.index(st), q_b, s0, use_acc=False, is_async=True)
-        for b in gl.static_range(CB):
-            st = (step + b) % STAGES
-            if b + 1 < CB:
-                nxt = (step + b + 1) % STAGES
-                mbarrier.wait(ready.index(nxt), ((step + b + 1) // STAGES) & 1)
-                s_n = warpgroup_mma(k_smem.index(nxt), q_b, s0, use_acc=False, is_async=True)
-                if b == 0:
-                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-                else:  # (block b - 1's row sums and P@V, and the next q.k, still in flight)
-                    s = warpgroup_mma_wait(num_outstanding=3, deps=(s, ))
-            else:
-                s = warpgroup_mma_wait(num_outstanding=2, deps=(s, ))
-            m_c, alpha, pr = _ws_softmax_t(s, blk0 + b, pos, m_c, qk_scale, n_full)
-            if b > 0:
-                if b + 1 < CB:
-                    l_c, acc_c = warpgroup_mma_wait(num_outstanding=1, deps=(l_c, acc_c))
-                else:
-                    l_c, acc_c = warpgroup_mma_wait(num_outstanding=0, deps=(l_c, acc_c))
-                mbarrier.arrive(empty.index((step + b - 1) % STAGES), count=1)
-            _ws_zero_tail(v_smem.index(st), blk0 + b, hi)
-            p_smem.store(gl.permute(pr.to(dtype), (1, 0)))
-            fence_async_shared()
-            gl.thread_barrier()
-            l_c = warpgroup_mma(ones, p_b, l_c * alpha, is_async=True)
-            acc_c = warpgroup_mma(v_smem.index(st).permute((1, 0)), p_b, acc_c * alpha, is_async=True)
-            if b + 1 < CB:
-                s = s_n
-        l_c, acc_c = warpgroup_mma_wait(num_outstanding=0, deps=(l_c, acc_c))
-        step += CB
-        mbarrier.arrive(empty.index(st), count=1)
-        slot = first + chunk * GROUP + cols
-        gl.store(part_m + slot, m_c, mask=keep)
-        gl.store(part_l + slot, _tile_sums(l_c, True), mask=keep)  # every row of l_c holds the sum
-        gl.store(part_acc + slot[None, :] * D + d_rows[:, None], acc_c, mask=keep[None, :])
-    mine = (n_need - 1 - p) // per_split + 1
-    gl.thread_barrier()  # every thread's stores precede the release
-    ticket = gl.atomic_add(tickets + pair, mine, sem="acq_rel", scope="gpu")
-    if ticket + mine == n_need:  # this program stored the last of the chunk states
-        gl.atomic_xchg(tickets + pair, 0, sem="relaxed", scope="gpu")  # _tickets.py
-        _ws_decode_merge(part_m, part_l, part_acc, out, lse, first, n_need, begin, kv_head, n_heads, GROUP,
-                         MERGE_ROWS, D)
-
-
-@gluon.jit
-def _ws_decode_merge(part_m, part_l, part_acc, out, lse, first, n_need, begin, kv_head, n_heads, GROUP: gl.constexpr,
-                     MERGE_ROWS: gl.constexpr, D: gl.constexpr):
-    """_merge_chunk_states for the Gluon split: the pair's n_need chunk states merged in chunk order
-    (_merge) and its rows stored, each step's _MERGE_AHEAD states loaded before the first of them is
-    merged. Plain loads after the ticket's acquire, as the tl kernel's."""
-    M_L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
-    ROW: gl.constexpr = gl.SliceLayout(1, M_L)
-    g = gl.arange(0, MERGE_ROWS, layout=ROW)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, M_L))
-    m_t = gl.full([MERGE_ROWS], float("-inf"), gl.float32, ROW)
-    l_t = gl.zeros([MERGE_ROWS], gl.float32, ROW)
-    acc_t = gl.zeros([MERGE_ROWS, D], gl.float32, M_L)
-    for c_step in range(0, n_need, _MERGE_AHEAD):
-        states = ()
-        for i in gl.static_range(_MERGE_AHEAD):
-            at = first + (c_step + i) * GROUP + g
-            here = (g * 0 + c_step + i) < n_need
-            states = states + ((gl.load(part_m + at, mask=here, other=0.0), gl.load(part_l + at, mask=here, other=0.0),
-                                gl.load(part_acc + at[:, None] * D + cols[None, :], mask=here[:, None], other=0.0)),)
-        for i in gl.static_range(_MERGE_AHEAD):
-            m_c, l_c, acc_c = states[i]
-            m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_c, l_c, acc_c, False)
-            here = c_step + i < n_need
-            m_t, l_t, acc_t = gl.where(here, m_n, m_t), gl.where(here, l_n, l_t), gl.where(here, acc_n, acc_t)
-    tok, head = _rows(g, begin, 1, kv_head, GROUP)
-    idx = tok * n_heads + head
-    keep = g < GROUP
-    gl.store(out + idx[:, None] * D + cols[None, :], _normalised(acc_t, l_t, False).to(out.dtype.element_ty),
-             mask=keep[:, None])
-    gl.store(lse + idx, _lse(m_t, l_t), mask=keep)
-
-
-@gluon.jit
-def _decode_ws_kernel(q, out, lse, part_m, part_l, part_acc, tickets, q_begin, q_count, q_pos, page_table,
-                      stride_table, page_rows, head_rows, head_cols, n_heads, qk_scale, n_chunks, per_split, k_all,
-                      v_all, GROUP: gl.constexpr, MERGE_ROWS: gl.constexpr, D: gl.constexpr, KV_BLOCK: gl.constexpr,
-                      KV_CHUNK: gl.constexpr, PAGE_SHIFT: gl.constexpr, STAGES: gl.constexpr,
-                      FROM_LENS: gl.constexpr):
-    """_decode_chunk_kernel's split path, warp-specialised: program pid takes split p = pid % per_split
-    of (sequence, kv head) pair pid // per_split. K/V as _prefill_ws_kernel reads them (its _TmaView),
-    through host descriptors k_all, v_all in boxes of min(page, KV_BLOCK) keys; pages of
-    2^PAGE_SHIFT keys."""
-    pid = gl.program_id(0)
-    n_kv = n_heads // GROUP
-    pair = pid // per_split
-    p = pid % per_split
-    seq, kv_head = pair // n_kv, pair % n_kv
-    begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
-    dtype: gl.constexpr = q.dtype.element_ty
-    ROWS: gl.constexpr = _SUM_COLS
-    # the tile's rows (the group's heads, repeated to 16) before the bounds are known: their loads fly
-    # beside the sequence length's (a sequence of several queries loads its last query's, unused)
-    LOAD_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LOAD_L))
-    tok, head = _rows(rows, begin, 1, kv_head, GROUP)
-    q_rows = gl.load(q + (tok * n_heads + head)[:, None] * D + gl.arange(0, D, layout=gl.SliceLayout(0, LOAD_L))[None, :])
-    hi = gl.max(_query_pos(q_pos, tok, rows, seq, 1, GROUP, FROM_LENS), 0)
-    n_need = hi // KV_CHUNK + 1  # the chunks that hold keys
-    if (n_queries != 1) | (p >= n_need):
-        return
-    q_smem = gl.allocate_shared_memory(dtype, [ROWS, D], gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype), q_rows)
-    p_smem = gl.allocate_shared_memory(dtype, [ROWS, KV_BLOCK], gl.NVMMASharedLayout.get_default_for([ROWS, KV_BLOCK],
-                                                                                                    dtype))
-    KV_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([k_all.block_type.shape[0], D], dtype)  # the host's
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, KV_BLOCK, D], KV_L)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, KV_BLOCK, D], KV_L)
-    ready, empty = ring_barriers(STAGES, 1)
-    fence_async_shared()  # q's store, before the wgmmas read it
-    gl.warp_specialize([
-        (_ws_decode_consumer, (q_smem, k_smem, v_smem, p_smem, ready, empty, part_m, part_l, part_acc, tickets, out,
-                               lse, q_pos, begin, seq, kv_head, n_heads, qk_scale, hi, p, per_split, n_need, n_chunks,
-                               pair, GROUP, MERGE_ROWS, KV_CHUNK, STAGES, FROM_LENS)),
-        (_ws_decode_producer, (k_all, v_all, k_smem, v_smem, ready, empty, page_table + seq * stride_table, page_rows,
-                               kv_head * head_rows, kv_head * head_cols, hi, p, per_split, n_need, KV_CHUNK,
-                               PAGE_SHIFT, STAGES)),
-    ], [1], [_WS_DECODE_PRODUCER_REGISTERS])
     invalidate_ring(ready, empty, STAGES)
 
 
@@ -1984,11 +1747,7 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
                          "unpipelined made an illegal memory access on an H200 (Triton 3.6); use num_stages >= 2")
     n_chunks = triton.cdiv(keys.max_count, KV_CHUNK)
     pairs = n_seqs * keys.n_heads
-    sms = resident_programs(q.device)
-    walks, per_split, stages, flat_stages = _decode_grid(pairs, n_chunks, sms, cfg)
-    view, gluon_split = _gluon_split(keys, group, cfg, pairs, n_chunks, sms) if walks == 0 else (None, 0)
-    if gluon_split:
-        per_split = gluon_split
+    walks, per_split, stages, flat_stages = _decode_grid(pairs, n_chunks, resident_programs(q.device), cfg)
     split = pairs - walks  # pairs split across programs: their chunk states go through memory
     states = (split, n_chunks, group) if split else (1,)
     part_m = torch.empty(states, device=q.device, dtype=torch.float32)
@@ -1998,16 +1757,6 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     tickets = zeroed_tickets(q.device, max(split, 1))
     # walks alone keep a (1, kv heads, sequences) grid: on the 1-D one the deep walk ran 4-5% slower in
     # an A/B (the twenty-fourth session; the same loop by ptxas), for no reason found
-    if gluon_split:
-        k_all, v_all = (gluon_descriptor(t.as_strided((view.rows, view.width), (keys.stride_slot, 1)), [view.box, d])
-                        for t in (keys.k, keys.v))
-        _decode_ws_kernel[(pairs * per_split,)](
-            q, out, lse, part_m, part_l, part_acc, tickets, *_query_args(queries), keys.table, keys.table.stride(0),
-            view.page_rows, view.head_rows, view.head_cols, q.shape[1], qk_scale, n_chunks, per_split, k_all, v_all,
-            GROUP=group, MERGE_ROWS=triton.next_power_of_2(group), D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK,
-            PAGE_SHIFT=decode_page_shift(keys.page_size), STAGES=cfg["GLUON_STAGES"], FROM_LENS=queries.from_lens,
-            num_warps=4)
-        return
     grid = (walks + split * per_split, 1, 1) if split else (1, keys.n_heads, n_seqs)
     _decode_chunk_kernel[grid](
         q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, *_query_args(queries),
@@ -2016,25 +1765,6 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
         KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"], FROM_LENS=queries.from_lens,
         SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size), FLAT_STAGES=flat_stages,
         ONE_CHUNK=bool(split and n_chunks <= per_split), num_warps=cfg["num_warps"], num_stages=stages)
-
-
-def _gluon_split(keys: _Keys, group: int, cfg: dict, pairs: int, n_chunks: int, sms: int) -> tuple[_TmaView | None, int]:
-    """(TMA view, programs a pair) of the warp-specialised split decode (_decode_ws_kernel) on a grid
-    of splits alone, or (None, 0) where it does not run: TUNING["decode"]["GLUON"] off, tiles it does
-    not take (16-bit on Hopper with the swapped tile, at most 16 heads a group, pages of a power of
-    two whose TMA boxes stay in a page: _tma_view), or a grid of GLUON_PER_SM programs an SM whose
-    programs would not each take at least GLUON_MIN_CHUNKS chunks of the longest sequence."""
-    if not (cfg["GLUON"] and decode_swapped(keys.k.shape[-1]) and group <= _SUM_COLS.value
-            and decode_page_shift(keys.page_size) >= 0):
-        return None, 0
-    if cfg["GLUON_STAGES"] < 3:  # a block's q.k waits for the next block's slot before it frees the one before
-        raise ValueError(f"attention (triton): TUNING['decode'] has GLUON with GLUON_STAGES={cfg['GLUON_STAGES']}; "
-                         "the Gluon split decode's ring needs at least 3")
-    view = _gluon_view(keys)
-    per_split = min(n_chunks, cfg["GLUON_PER_SM"] * sms // max(pairs, 1))
-    if view is None or per_split < 2 or n_chunks < cfg["GLUON_MIN_CHUNKS"] * per_split:
-        return None, 0
-    return view, per_split
 
 
 def decode_page_shift(page_size: int) -> int:
