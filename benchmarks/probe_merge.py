@@ -8,7 +8,11 @@ column compares the two. CUDA graphs; the states sit in L2 (written once, read e
 
 The thirty-fifth session (H100): the table's merge ~190 ns a state alone, the two-pass form 85-135;
 inside the decode kernel (ab_decode.py) the two-pass form from 32 states gained only 1.5-2.8% at
-batch 1 x 8k-32k and cost 1-3% at 1k-4k, where it was not taken (benchmarks/RESULTS.md)."""
+batch 1 x 8k-32k and cost 1-3% at 1k-4k, where it was not taken (benchmarks/RESULTS.md).
+Compiled alone (sm_90a, 32 registers) ptxas issues each state's loads just before its merge, one
+round trip a state, where the decode kernel (164 registers) issues a step's 8 states' loads before
+the first merge (both read in cuobjdump's SASS, the thirty-ninth session): the table's time here is
+not the in-kernel merge's."""
 import sys
 from pathlib import Path
 import torch
