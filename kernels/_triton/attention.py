@@ -634,7 +634,8 @@ def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_ne
     # LDG.STRONG.GPU) took 1.04-1.05x their time at batch 1 x 4k-32k (the thirty-fourth session, H100,
     # ab_decode.py, bits equal); in that session's probes the merge cost ~80 ns a state whether its
     # loads or its arithmetic were taken out, and alone (the thirty-fifth, benchmarks/probe_merge.py)
-    # ~190 ns, a chain of latencies: a two-pass form that halves that alone gained 2% here, not kept.
+    # ~190 ns, where ptxas (32 registers) loads a state at a time, unlike here (the thirty-ninth's
+    # SASS): a two-pass form that halves that alone gained 2% here, not kept.
     # Measured, not kept (the thirty-eighth session, H100, ab_decode.py, bits equal): the last 4 or 8
     # programs to take the ticket each merging a share of the columns, with 8 or 32 states a step
     # (0.99-1.03x this merge's time at batch 1-8 x 8k-32k), and a polled merge without a ticket (the
