@@ -1,7 +1,7 @@
 """Where the Gluon forward's time goes (training's, prefill's): the same kernel with parts of its
 consumers' work left out, each timed against the whole (CUDA only; Hopper, bf16).
 
-    python benchmarks/probe_prefill.py [--seqs N] [--chunks 256,1048576] [--pingpong]
+    python benchmarks/probe_prefill.py [--seqs N] [--chunks 256,1048576]
 
 No profiler runs on the GPU host, so this probe times ablations. _prefill_ws_kernel takes ABLATE
 (kernels/_triton/attention.py, above _ablated_softmax; 0 in every real call): no softmax (P = the
@@ -10,8 +10,6 @@ state a block, or all three (what is left: the ring, the barriers and the q.k an
 Each runs at the contract's KV_CHUNK and at --chunks' others (1,048,576: no chunk merge but the
 tile's last), on training's forward (sweep_attention.training_inputs: N packed 4,096-token
 sequences, Qwen3-8B heads), launched as the table launches it (_prefill_ws, TUNING["prefill_linear"]).
---pingpong: each variant also with the consumers taking turns to issue their wgmmas (TUNING's
-GLUON_PINGPONG on; rows marked "ping-pong"), its whole checked for varlen_attention's bits too.
 An ablation's outputs are wrong by design; only times are compared. For scale, the fastest torch
 SDPA forward (bench_attention.fastest_sdpa, causal, the sequences as a batch) on the same inputs.
 
@@ -39,9 +37,8 @@ VARIANTS = {"whole": 0, "no softmax": A._NO_SOFTMAX.value, "no row sums": A._NO_
             "MMAs only": A._NO_SOFTMAX.value | A._NO_ROW_SUMS.value | A._NO_RESCALE.value}
 
 
-def _forward(q, k, v, cu, scale, ablate: int, pingpong: bool | None = None):
-    """The table's Gluon forward over the packed sequences (what varlen_attention launches), with ABLATE
-    (and GLUON_PINGPONG as given, else the table's)."""
+def _forward(q, k, v, cu, scale, ablate: int):
+    """The table's Gluon forward over the packed sequences (what varlen_attention launches), with ABLATE."""
     queries, keys = A._varlen_layout(q, k, v, cu, SEQ)
     view = A._gluon_view(keys)
     if view is None or not A.TUNING["prefill_linear"].get("GLUON"):
@@ -50,10 +47,8 @@ def _forward(q, k, v, cu, scale, ablate: int, pingpong: bool | None = None):
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], device=q.device, dtype=torch.float32)
     group = q.shape[1] // keys.n_heads
-    cfg = A.TUNING["prefill_linear"]
-    if pingpong is not None:
-        cfg = {**cfg, "GLUON_PINGPONG": pingpong}
-    A._prefill_ws(queries, keys, view, out, lse, group, scale * A._LOG2E, 1, cfg, "prefill_linear", ablate=ablate)
+    A._prefill_ws(queries, keys, view, out, lse, group, scale * A._LOG2E, 1, A.TUNING["prefill_linear"],
+                  "prefill_linear", ablate=ablate)
     return out
 
 
@@ -61,27 +56,22 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seqs", type=int, default=4, help="packed 4,096-token sequences")
     p.add_argument("--chunks", default=f"{A.KV_CHUNK},1048576", help="KV_CHUNK values, comma-separated")
-    p.add_argument("--pingpong", action="store_true", help="each variant also with GLUON_PINGPONG on")
     args = p.parse_args()
     q, k, v, _, cu, scale = training_inputs(args.seqs * SEQ, SEQ)
     flops = 4 * q.shape[2] * SEQ * (SEQ + 1) / 2 * q.shape[1] * args.seqs
-    forms = {"": None, " (ping-pong)": True} if args.pingpong else {"": None}
-    reference = torch.ops.lockstep.varlen_attention(q, k, v, cu, scale, SEQ)[0]
-    for pingpong in forms.values():
-        if not torch.equal(_forward(q, k, v, cu, scale, 0, pingpong), reference):
-            raise SystemExit(f"probe_prefill: the probe's launch of the whole kernel (GLUON_PINGPONG {pingpong}) does "
-                             "not give varlen_attention's bits")
+    whole = _forward(q, k, v, cu, scale, 0)
+    if not torch.equal(whole, torch.ops.lockstep.varlen_attention(q, k, v, cu, scale, SEQ)[0]):
+        raise SystemExit("probe_prefill: the probe's launch of the whole kernel does not give varlen_attention's bits")
     contract = A.KV_CHUNK
     rows, base = [], None
     for chunk in (int(c) for c in args.chunks.split(",")):
         A.KV_CHUNK = chunk
         try:
             for name, ablate in VARIANTS.items():
-                for form, pingpong in forms.items():
-                    us = graph_ms_per_call(lambda: _forward(q, k, v, cu, scale, ablate, pingpong)) * 1e3
-                    base = us if base is None else base
-                    rows.append([name + form, chunk, f"{us:.1f}", f"{base / us:.3f}", f"{flops / us / 1e6:.0f}"])
-                    print(f"{name}{form} KV_CHUNK={chunk}: {us:.1f} us", flush=True)
+                us = graph_ms_per_call(lambda: _forward(q, k, v, cu, scale, ablate)) * 1e3
+                base = us if base is None else base
+                rows.append([name, chunk, f"{us:.1f}", f"{base / us:.3f}", f"{flops / us / 1e6:.0f}"])
+                print(f"{name} KV_CHUNK={chunk}: {us:.1f} us", flush=True)
         finally:
             A.KV_CHUNK = contract
     batch = lambda t: t.view(args.seqs, SEQ, t.shape[1], t.shape[2]).transpose(1, 2).contiguous()  # noqa: E731

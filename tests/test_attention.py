@@ -501,17 +501,16 @@ WS_INTS = {"stride_table", "stride_page", "stride_slot", "n_heads", "kv_width", 
            "head_cols"}
 ws_desc = lambda box: f"tensordesc<bf16[{box}, 128],{gluon_layout([box, 128])!r}>"
 # training's linear K/V: no host descriptor (k_all, v_all None)
-gluon, gluon_q_regs, gluon_pingpong = (
-    compile_sm90(A._prefill_ws_kernel, lambda n: "i32" if n in WS_INTS else types(n),
-                 dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK, k_all=None, v_all=None,
-                      STAGES=cfg["GLUON_STAGES"], FROM_LENS=False, Q_REGS=q_regs, PINGPONG=pingpong), 4, 1)
-    for q_regs, pingpong in ((False, False), (True, False), (True, True)))
+gluon, gluon_q_regs = (compile_sm90(A._prefill_ws_kernel, lambda n: "i32" if n in WS_INTS else types(n),
+                                    dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK,
+                                         k_all=None, v_all=None, STAGES=cfg["GLUON_STAGES"], FROM_LENS=False,
+                                         Q_REGS=q_regs), 4, 1) for q_regs in (False, True))
 # vLLM's prefill: 16-key pages, positions from the sequence lengths
 cfg = A.TUNING["prefill"]
 gluon_paged = compile_sm90(A._prefill_ws_kernel, lambda n: ws_desc(16) if n.endswith("_all") else "i32"
                            if n in WS_INTS else types(n), dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK,
                            KV_CHUNK=A.KV_CHUNK, BOX=16, STAGES=cfg["GLUON_STAGES"], FROM_LENS=True,
-                           Q_REGS=cfg["GLUON_Q_REGS"], PINGPONG=cfg["GLUON_PINGPONG"]), 4, 1)
+                           Q_REGS=cfg["GLUON_Q_REGS"]), 4, 1)
 bwd_types = lambda n: "fp32" if n in ("qk_scale", "scale") else "*fp32" if n == "delta" else types(n)
 cfg = A.TUNING["bwd_dkdv"]
 dkdv = compile_sm90(A._bwd_dkdv_kernel, lambda n: "*i32" if n == "kv_count" else bwd_types(n),
@@ -551,8 +550,8 @@ for name, variant in (("swapped split deep", {}), ("swapped split deep one chunk
                                                FLAT_STAGES=cfg["FLAT_STAGES"], ONE_CHUNK=False, **common),
                                             **variant},
         cfg["num_warps"], cfg["SPLIT_STAGES"])
-print(json.dumps([prefill, linear, gluon, gluon_q_regs, gluon_pingpong, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon,
-                  dq_gluon_q_regs, decode]))
+print(json.dumps([prefill, linear, gluon, gluon_q_regs, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, dq_gluon_q_regs,
+                  decode]))
 """
 
 
@@ -567,7 +566,7 @@ def test_decode_and_prefill_multiply_with_wgmma():
 
     from lockstep.kernels._triton import attention as A
 
-    (prefill, linear, gluon, gluon_q_regs, gluon_pingpong, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, dq_gluon_q_regs,
+    (prefill, linear, gluon, gluon_q_regs, gluon_paged, dkdv, dkdv_gluon, dq, dq_gluon, dq_gluon_q_regs,
      decode) = probe(_MMA_PROBE)
     assert {version for version, _ in prefill["mma"]} == {"3"}, f"expected wgmma (MMA v3) only, got {prefill['mma']}"
     # over a linear K/V (TMA loads) the prefill tile runs the same instructions, without spilling, and
@@ -577,9 +576,6 @@ def test_decode_and_prefill_multiply_with_wgmma():
     # with q in registers (GLUON_Q_REGS: the q.k wgmmas' A operand) the same instructions; the 32 more
     # registers a thread spill 24 bytes, outside the block loop (probed: ptxas, cuobjdump)
     assert gluon_q_regs["mma"] == prefill["mma"] and gluon_q_regs["spill_bytes"] <= 32, gluon_q_regs
-    # the consumers taking turns (GLUON_PINGPONG) issue the same instructions, spilling no more
-    assert gluon_pingpong["mma"] == prefill["mma"] and gluon_pingpong["warp_specialized"], gluon_pingpong
-    assert gluon_pingpong["spill_bytes"] <= 32, gluon_pingpong
     # ... also over vLLM's paged cache (16-key pages: four boxes a block; positions from the lengths), as
     # the table runs it (q in registers: the same spill)
     assert gluon_paged["mma"] == prefill["mma"], gluon_paged
@@ -633,8 +629,7 @@ types = lambda n: "fp32" if n == "qk_scale" else "i32" if n in INTS else "*" + P
 cfg = A.TUNING["prefill_linear"]
 print(json.dumps({ablate: compile_sm90(A._prefill_ws_kernel, types, dict(
     GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK, k_all=None, v_all=None,
-    STAGES=cfg["GLUON_STAGES"], FROM_LENS=False, Q_REGS=cfg["GLUON_Q_REGS"], PINGPONG=cfg["GLUON_PINGPONG"],
-    ABLATE=ablate), 4, 1,
+    STAGES=cfg["GLUON_STAGES"], FROM_LENS=False, Q_REGS=cfg["GLUON_Q_REGS"], ABLATE=ablate), 4, 1,
     count=("ex2", "max.f32", "mul.f32", "wgmma.mma_async", "wgmma.mma_async.sync.aligned.m64n16k16"))
     for ablate in (0, 1, 2, 4)}))
 """
@@ -754,16 +749,14 @@ def test_gpu_accuracy_and_deterministic_backward(gpu_triton):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q_regs,pingpong", [(False, False), (True, False), (True, True)],
-                         ids=["q-shared", "q-registers", "pingpong"])
+@pytest.mark.parametrize("q_regs", [False, True], ids=["q-shared", "q-registers"])
 @pytest.mark.parametrize("heads", [32, 16, 8, 64], ids=["group4", "group2", "group1", "group8"])
-def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monkeypatch, heads, q_regs, pingpong):
+def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monkeypatch, heads, q_regs):
     """The Gluon kernels over a linear K/V (the forward, dK/dV and dQ: TUNING["prefill_linear"],
     ["bwd_dkdv"] and ["bwd_dq"] with GLUON) against the tl kernels, packed and padded, bf16, head_dim 128, 8 kv
     heads: the same outputs, lse and gradients, bit for bit, with tails of a block, a chunk and a
     tile, and a sequence shorter than one block. The forward's and dQ's consumers take q (and dQ's
-    dO) from shared memory or from registers (GLUON_Q_REGS); the forward's take turns to issue their
-    wgmmas or not (GLUON_PINGPONG)."""
+    dO) from shared memory or from registers (GLUON_Q_REGS)."""
     from lockstep.kernels._triton import attention as A
 
     lens = [3001, 1024, 1777, 77, 5]
@@ -780,7 +773,7 @@ def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monke
 
     def run(gluon):
         monkeypatch.setitem(A.TUNING, "prefill_linear", {**A.TUNING["prefill_linear"], "GLUON": gluon,
-                                                         "GLUON_Q_REGS": q_regs, "GLUON_PINGPONG": pingpong})
+                                                         "GLUON_Q_REGS": q_regs})
         monkeypatch.setitem(A.TUNING, "bwd_dkdv", {**A.TUNING["bwd_dkdv"], "GLUON": gluon})
         monkeypatch.setitem(A.TUNING, "bwd_dq", {**A.TUNING["bwd_dq"], "GLUON": gluon, "GLUON_Q_REGS": q_regs})
         out, lse = torch.ops.lockstep.varlen_attention(q, k, v, cu, 0.088)
@@ -796,23 +789,20 @@ def test_gpu_warp_specialized_kernels_give_the_tl_kernels_bits(gpu_triton, monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size,vllm_layout,q_regs,pingpong",
-                         [(16, True, False, False), (16, True, True, False), (16, True, True, True),
-                          (16, False, False, False), (32, True, False, False), (64, True, True, False),
-                          (64, True, True, True), (128, False, False, False), (48, True, False, False)])
+@pytest.mark.parametrize("page_size,vllm_layout,q_regs", [(16, True, False), (16, True, True), (16, False, False),
+                                                          (32, True, False), (64, True, True), (128, False, False),
+                                                          (48, True, False)])
 def test_gpu_paged_prefill_takes_the_gluon_forward_with_the_training_bits(gpu_triton, monkeypatch, page_size,
-                                                                          vllm_layout, q_regs, pingpong):
+                                                                          vllm_layout, q_regs):
     """vLLM's prefill (TUNING["prefill"]["GLUON"]): pages of 16 or 32 keys (boxes of a page), 64 or
     128 (a block's box in one page), vLLM's interleaved K/V or separate K and V caches, one prefill of
     every prompt and a schedule of chunked prefills beside decode steps (a cache of NaN where nothing
     was written): every token's output equals training's (the table's), bit for bit, with the
-    prefill's consumers taking q from shared memory or from registers (GLUON_Q_REGS) and taking turns
-    to issue their wgmmas or not (GLUON_PINGPONG). 48-key pages are not a divisor or multiple of the
-    64-key block: the tl kernel takes them (the same bits)."""
+    prefill's consumers taking q from shared memory or from registers (GLUON_Q_REGS). 48-key pages
+    are not a divisor or multiple of the 64-key block: the tl kernel takes them (the same bits)."""
     from lockstep.kernels._triton import attention as A
 
-    monkeypatch.setitem(A.TUNING, "prefill", {**A.TUNING["prefill"], "GLUON_Q_REGS": q_regs,
-                                              "GLUON_PINGPONG": pingpong})
+    monkeypatch.setitem(A.TUNING, "prefill", {**A.TUNING["prefill"], "GLUON_Q_REGS": q_regs})
 
     calls = []
     real = A._prefill_ws

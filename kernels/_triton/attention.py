@@ -97,7 +97,7 @@ TUNING = {
     # 433 (3 stages, q in shared memory; 1.071x; 3 stages with q in registers 411 us), bits equal
     # (the twenty-ninth session, H200, CUDA graphs)
     "prefill": dict(BLOCK_Q=128, num_warps=8, num_stages=1, PREFETCH=True, GLUON=True, GLUON_STAGES=4,
-                    GLUON_Q_REGS=True, GLUON_PINGPONG=False),
+                    GLUON_Q_REGS=True),
     # the same over a linear K/V (training's packed or padded one): TMA (on GPUs that have it) brings
     # every block but a tile's last through a descriptor, pipelined by Triton over num_stages (242
     # registers, no spill). sweep_attention.py, H200, 4 x 4,096 packed tokens, two calls: 2.09-2.18 ms
@@ -130,13 +130,8 @@ TUNING = {
     # equal): the worker consumer's chunk-state rescale pinned after its q.k issue (LLVM hoists it
     # above the K wait) and the block's row max as a tree (6 dependent maxima, not 17): 0.98-1.01x
     # either entry, each alone and both, the table itself 0.995-0.998x of itself in the same sweep
-    # GLUON_PINGPONG (both entries): the consumers take turns to issue a block's wgmmas (q.k and the
-    # block before's row sums and P@V), consumer 0 first, so that one's softmax runs beside the
-    # other's wgmmas (FA3's ping-pong, on today's schedule; the fifteenth session's form, before q in
-    # registers and the unmasked blocks, read 1.65 ms against 1.60); the same wgmmas in the same order
-    # for each consumer, so no bit moves
     "prefill_linear": dict(BLOCK_Q=128, num_warps=8, num_stages=3, PREFETCH=False, TMA=True, GLUON=True,
-                           GLUON_STAGES=4, GLUON_Q_REGS=True, GLUON_PINGPONG=False),
+                           GLUON_STAGES=4, GLUON_Q_REGS=True),
     # single-query sequences: P programs per (sequence, kv head) walk its chunks; rows are the
     # group's query heads; the last of them to finish merges the chunk states, or with P = 1 the one
     # program merges in registers. SWAP: the dots run with their operands swapped, the heads as the
@@ -901,30 +896,11 @@ def _ws_fold(p_l, p_o, ones_smem, v_smem, st, l_c, acc_c, alpha, L_L: gl.constex
 
 
 @gluon.jit
-def _ws_turn(turns, ME: gl.constexpr, k, PINGPONG: gl.constexpr):
-    """With PINGPONG, consumer ME waits for its k-th turn (k = 0, 1, ...) to issue wgmmas: turns[ME]
-    completes a phase each time the other consumer passes the turn (_ws_pass); consumer 0's first
-    turn passes at once (the parity of a phase before the barrier's first)."""
-    if PINGPONG:
-        mbarrier.wait(turns.index(ME), (k & 1) ^ (ME ^ 1))
-
-
-@gluon.jit
-def _ws_pass(turns, ME: gl.constexpr, PINGPONG: gl.constexpr):
-    """With PINGPONG, consumer ME, its turn's wgmmas issued, passes the turn to the other consumer."""
-    if PINGPONG:
-        mbarrier.arrive(turns.index(1 - ME), count=1)
-
-
-@gluon.jit
-def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, turns, out, lse, q_pos, begin, n_queries, seq,
-                 row0, kv_head, n_heads, qk_scale, last, ME: gl.constexpr, GROUP: gl.constexpr, KV_CHUNK: gl.constexpr,
-                 STAGES: gl.constexpr, FROM_LENS: gl.constexpr, Q_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-                 ABLATE: gl.constexpr):
+def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq, row0,
+                 kv_head, n_heads, qk_scale, last, GROUP: gl.constexpr, KV_CHUNK: gl.constexpr, STAGES: gl.constexpr,
+                 FROM_LENS: gl.constexpr, Q_REGS: gl.constexpr, ABLATE: gl.constexpr):
     """Rows row0 .. row0 + 63 of the tile: every block folded into the chunk state, chunk states
-    merged into the running state at each chunk's last block (or the tile's last), as _row_state.
-    ME: this consumer (0 or 1). PINGPONG: the consumers take turns to issue a block's wgmmas
-    (_ws_turn), consumer 0 first; the same wgmmas in the same order for each consumer."""
+    merged into the running state at each chunk's last block (or the tile's last), as _row_state."""
     ROWS: gl.constexpr = q_smem.shape[0]
     D: gl.constexpr = q_smem.shape[1]
     KV_BLOCK: gl.constexpr = k_smem.shape[1]
@@ -951,11 +927,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, turns, out, ls
     # block's P@V and merge after
     q_op = _wgmma_a(q_smem, S_L, Q_REGS)
     mbarrier.wait(ready.index(0), 0)
-    _ws_turn(turns, ME, 0, PINGPONG)
-    s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s0, use_acc=False, is_async=PINGPONG)
-    _ws_pass(turns, ME, PINGPONG)
-    if PINGPONG:
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
     m_c, alpha, p = _ablated_softmax(s, 0, pos, m_c, qk_scale, n_full, ABLATE)
     p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
     p_o = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, O_L, 2))
@@ -964,10 +936,8 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, turns, out, ls
         st = blk % STAGES
         prev = (blk - 1) % STAGES
         mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
-        _ws_turn(turns, ME, blk, PINGPONG)
         s = warpgroup_mma(q_op, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
         l_c, acc_c = _ws_fold(p_l, p_o, ones_smem, v_smem, prev, l_c, acc_c, alpha, L_L, O_L, True, ABLATE)
-        _ws_pass(turns, ME, PINGPONG)
         s = warpgroup_mma_wait(num_outstanding=FOLD_GROUPS, deps=(s, ))
         m_done = m_c  # block blk - 1's chunk max
         if blk % (KV_CHUNK // KV_BLOCK) == 0:  # block blk starts a chunk: from the empty state
@@ -982,11 +952,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, turns, out, ls
             l_c = gl.zeros([ROWS, SUM_COLS], gl.float32, L_L)
             acc_c = gl.zeros([ROWS, D], gl.float32, O_L)
     st = last % STAGES
-    _ws_turn(turns, ME, last + 1, PINGPONG)
-    l_c, acc_c = _ws_fold(p_l, p_o, ones_smem, v_smem, st, l_c, acc_c, alpha, L_L, O_L, PINGPONG, ABLATE)
-    _ws_pass(turns, ME, PINGPONG)
-    if PINGPONG:
-        l_c, acc_c = warpgroup_mma_wait(num_outstanding=0, deps=(l_c, acc_c))
+    l_c, acc_c = _ws_fold(p_l, p_o, ones_smem, v_smem, st, l_c, acc_c, alpha, L_L, O_L, False, ABLATE)
     mbarrier.arrive(empty.index(st), count=1)
     m, l, acc = _ws_merge(m, l, acc, m_c, l_c, acc_c)
     rows = gl.convert_layout(rows, ROW_O)
@@ -1004,15 +970,14 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
                        head_rows, head_cols, stride_slot, kv_width, n_heads, qk_scale, min_queries, n_seqs, k_all, v_all,
                        GROUP: gl.constexpr, D: gl.constexpr, KV_BLOCK: gl.constexpr, KV_CHUNK: gl.constexpr,
                        BOX: gl.constexpr, STAGES: gl.constexpr, FROM_LENS: gl.constexpr, Q_REGS: gl.constexpr,
-                       PINGPONG: gl.constexpr, ABLATE: gl.constexpr = 0):
+                       ABLATE: gl.constexpr = 0):
     """_prefill_kernel, warp-specialised: a program per (128-row tile, kv head, sequence), ranked as
     _prefill_kernel's. K/V are read as a [rows, kv_width] matrix of row pitch stride_slot: the key
     in slot s of page p of kv head h is row p * page_rows + h * head_rows + s, at column h *
     head_cols; k_all, v_all: its host descriptors in BOX-key boxes for a paged K/V, None for a linear
     one (one page a sequence: the descriptors made here, ending at the tile's last key, serve every
     block, and the launch carries no host descriptor). Q_REGS: TUNING's GLUON_Q_REGS (each consumer's
-    q in registers, the A operand of its q.k wgmmas). PINGPONG: TUNING's GLUON_PINGPONG (the consumers
-    take turns to issue their wgmmas: _ws_turn). ABLATE: 0, or work left out for a probe (above
+    q in registers, the A operand of its q.k wgmmas). ABLATE: 0, or work left out for a probe (above
     _ablated_softmax)."""
     rank, kv_head, seq = _ranked_program(gl.program_id(0), n_heads // GROUP, n_seqs)
     begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
@@ -1043,12 +1008,6 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, KV_BLOCK, D], KV_L)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, KV_BLOCK, D], KV_L)
     ready, empty = ring_barriers(STAGES)
-    if PINGPONG:  # the consumers' turns (_ws_turn): turns[c] completes a phase as consumer c's turn comes
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(turns.index(0), count=1)
-        mbarrier.init(turns.index(1), count=1)
-    else:
-        turns = ready  # (unused)
     fence_async_shared()  # the q and ones stores, before the wgmmas read them
     last = hi // KV_BLOCK
     if k_all is None:
@@ -1056,19 +1015,16 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
     else:
         k_src, v_src = k_all, v_all
     gl.warp_specialize([
-        (_ws_consumer, (q0_smem, ones_smem, k_smem, v_smem, ready, empty, turns, out, lse, q_pos, begin, n_queries,
-                        seq, tile * _WS_TILE, kv_head, n_heads, qk_scale, last, 0, GROUP, KV_CHUNK, STAGES, FROM_LENS,
-                        Q_REGS, PINGPONG, ABLATE)),
-        (_ws_consumer, (q1_smem, ones_smem, k_smem, v_smem, ready, empty, turns, out, lse, q_pos, begin, n_queries,
-                        seq, tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, 1, GROUP, KV_CHUNK, STAGES,
-                        FROM_LENS, Q_REGS, PINGPONG, ABLATE)),
+        (_ws_consumer, (q0_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
+                        tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, FROM_LENS,
+                        Q_REGS, ABLATE)),
+        (_ws_consumer, (q1_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
+                        tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES,
+                        FROM_LENS, Q_REGS, ABLATE)),
         (_ws_producer, (k_src, v_src, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
                         head_row, kv_head * head_cols, hi, row_hi, last, STAGES)),
     ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
     invalidate_ring(ready, empty, STAGES)
-    if PINGPONG:
-        mbarrier.invalidate(turns.index(0))
-        mbarrier.invalidate(turns.index(1))
 
 
 # ---- backward kernels (FA2 style; deterministic: every sum runs in a fixed loop, no atomics) ------
@@ -1739,8 +1695,8 @@ def _prefill_ws(queries: _Queries, keys: _Keys, view: _TmaView, out, lse, group:
         q, keys.k, keys.v, out, lse, *_query_args(queries), keys.table, keys.table.stride(0), keys.page_size,
         view.page_rows, view.head_rows, view.head_cols, keys.stride_slot, view.width, q.shape[1], qk_scale,
         min_queries, n_seqs, k_all, v_all, GROUP=group, D=d, KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, BOX=view.box,
-        STAGES=cfg["GLUON_STAGES"], FROM_LENS=queries.from_lens, Q_REGS=cfg["GLUON_Q_REGS"],
-        PINGPONG=cfg["GLUON_PINGPONG"], ABLATE=ablate, num_warps=4)
+        STAGES=cfg["GLUON_STAGES"], FROM_LENS=queries.from_lens, Q_REGS=cfg["GLUON_Q_REGS"], ABLATE=ablate,
+        num_warps=4)
 
 
 def _tma_capable(t: torch.Tensor) -> bool:
