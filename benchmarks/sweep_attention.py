@@ -50,7 +50,7 @@ CANDIDATES = {
     # the warp-specialised Gluon kernel over the pages (boxes of a page), a ring of GLUON_STAGES blocks
     + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)]
     # GLUON_Q_REGS: the consumers' q in registers (the q.k wgmmas read only K from shared memory)
-    + [dict(GLUON=True, GLUON_STAGES=s, GLUON_Q_REGS=True) for s in (3, 4)],
+    + [dict(GLUON=True, GLUON_STAGES=s, GLUON_Q_REGS=True) for s in (3, 4, 5)],
     # (swapped tiles with num_stages=1 faulted on the H200, Triton 3.6: the launcher refuses them)
     # TMA: the blocks before a tile's last through descriptors, pipelined over num_stages
     # (GLUON=False: the tl kernel, whose schedules these are)
@@ -61,7 +61,7 @@ CANDIDATES = {
     + [dict(GLUON=False, TMA=True, PREFETCH=False, BLOCK_Q=64, num_warps=4, num_stages=s) for s in (2, 3, 4)]
     # the warp-specialised Gluon kernel: a producer warp, two consumer warpgroups, a ring of GLUON_STAGES
     + [dict(GLUON=True, GLUON_STAGES=s) for s in (2, 3, 4)]
-    + [dict(GLUON=True, GLUON_STAGES=s, GLUON_Q_REGS=True) for s in (3, 4)],
+    + [dict(GLUON=True, GLUON_STAGES=s, GLUON_Q_REGS=True) for s in (3, 4, 5)],
     # one program per BLOCK_KV keys looping over BLOCK_Q-row query tiles / one per BLOCK_Q rows over
     # BLOCK_KV-key blocks
     "bwd_dkdv": [dict(BLOCK_KV=kv, BLOCK_Q=bq, num_warps=w, num_stages=st, GLUON=False)
