@@ -816,8 +816,6 @@ def _ws_producer(k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_
     if BOXES > 1:
         box = gl.arange(0, BOXES, layout=gl.BlockedLayout([1], [32], [1], [0]))
         entries = _block_entries(page_row, box, 0, hi, page_size, KV_BLOCK, BOX)
-    else:
-        box, entries = 0, 0
     for blk in range(0, last + 1):
         st = blk % STAGES
         if BOXES > 1:
