@@ -326,6 +326,17 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
     with pytest.raises(ValueError, match="steps_per_stage is the swapped Gluon kernel's"):
         replace(ws, steps_per_stage=2)
     assert mc.tl_tile(swapped_gluon) == replace(swapped_gluon, gluon=False, warp_specialize=False, steps_per_stage=1)
+    # two consumer warpgroups of 64 weight rows: the swapped Gluon tile of 128 (run as the tl tile in the
+    # interpreter: the same bits at every split); refused on any other tile
+    pair = replace(swapped_gluon, block_n=128, consumers=2)
+    assert mc.tl_tile(pair) == replace(swapped_gluon, block_n=128, gluon=False, warp_specialize=False,
+                                       steps_per_stage=1)
+    for split in (1, 2):
+        assert torch.equal(row_tree(x[:40], w, 12, torch.float32, split=split, config=pair),
+                           row_tree(x[:40], w, 12, torch.float32, split=1, config=tl_swapped)), split
+    for bad in (dict(consumers=3), dict(consumers=2, block_n=64), dict(consumers=2, swap_ab=False, block_m=128)):
+        with pytest.raises(ValueError, match="consumers is 1, or 2"):
+            replace(swapped_gluon, **bad)
     # the swapped Gluon subtrees' programs fill at most half the SMs: Qwen3-8B's 64 tiles one a tile,
     # a smaller model's 32 two, never more programs than chunks
     from lockstep.kernels._triton import splitk
@@ -735,7 +746,7 @@ def test_gpu_row_parallel_linear_row_invariant_qwen3_8b(k):
 def test_gpu_gluon_row_tree_schedules_give_the_tl_bits(k):
     """The row tree's Gluon schedules give the tl kernel's bits on the same tiles: the swapped
     subtrees of swap_ws.py (two accumulators over the chunks, slots of 1 or 2 K steps, 64 or 128
-    weight rows, 64 or 128 rows of x, the ticketed join at a split) at decode sizes, every split and a TP rank's chunk
+    weight rows, the 128 as one consumer or two, 64 or 128 rows of x, the ticketed join at a split) at decode sizes, every split and a TP rank's chunk
     counts; the unswapped tree with two accumulators a consumer (64- and 128-column tiles), with
     sibling chunks step by step (GemmConfig.siblings), and with its tiles leaving by TMA store (bf16
     out; a TP rank's fp32 roots where they fit); and a swapped
@@ -752,6 +763,8 @@ def test_gpu_gluon_row_tree_schedules_give_the_tl_bits(k):
     one_step = replace(swapped, num_stages=8, steps_per_stage=1)
     wide = replace(swapped, block_n=128, num_stages=4)  # 128 weight rows: two wgmmas a step
     rows128 = replace(one_step, block_m=128)  # up to 128 rows of x a tile (the 65-128-row bucket)
+    pair = replace(swapped, block_n=128, num_stages=4, consumers=2)  # two consumers sharing x
+    pair128 = replace(rows128, block_n=128, num_stages=6, consumers=2)
     plain = GemmConfig(64, 128, 8, 4, 4)  # the tl kernel's unswapped tile
     alternating = [GemmConfig(128, n, 8, 4, stages, warp_specialize=True, gluon=True, accumulators=acc, tma_store=tma,
                               siblings=sib)
@@ -764,7 +777,8 @@ def test_gpu_gluon_row_tree_schedules_give_the_tl_bits(k):
         for m in (1, 8, 17, 33, 64, 100, 128) if chunks == 8 else (8, 64, 128):
             ref = row_tree(xs[:m], ws, chunk, dtype, split=1, config=tl_tile(swapped))
             for split in [s for s in (1, 2, 4, 8) if s <= chunks]:
-                for cfg in (swapped, one_step, wide, rows128) if chunks == 8 else (swapped, wide, rows128):
+                for cfg in (swapped, one_step, wide, rows128, pair, pair128) if chunks == 8 else (
+                        swapped, wide, rows128, pair, pair128):
                     assert torch.equal(row_tree(xs[:m], ws, chunk, dtype, split=split, config=cfg), ref), \
                         (chunks, m, split, cfg)
         for m in (129, 256, 1000) if chunks == 8 else (1000,):

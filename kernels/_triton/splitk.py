@@ -213,7 +213,7 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
         # at most two programs a tile of more than 64 rows of x: the last program's join of 4 or 8
         # subtree roots spills 528-2,440 bytes a thread there (compiled for sm_90a; split 1 136, 2 none)
         split = _split(split or half_wave_split(tiles, chunks if rows <= 64 else min(chunks, 2), x.device), chunks)
-        ws, tickets = _workspace(split, m, n, tiles, x.device)
+        ws, tickets = _workspace(split, m, n, tiles * cfg.consumers, x.device)  # a ticket a consumer's rows
         gemm_swap_ws(x_op, w_op, out, cfg, chunks=chunks, chunk=chunk, padded=padded, split=split, ws=ws,
                      tickets=tickets)
         return out

@@ -3,7 +3,8 @@ Gluon: `linear`'s swapped buckets that set gluon (matmul_configs.py), and the ro
 decode bucket (splitk.py, kernels/rowlinear.py), which is the same schedule over K chunks.
 
 The same sums as the tl kernels: C^T = W @ X^T, 64 weight rows a program (GemmConfig.block_n; 128: two
-wgmmas a step on the same rows of x) as the wgmma's M side and the rows of x (16-128, zero-filled past
+wgmmas a step on the same rows of x, or with GemmConfig.consumers = 2 two consumer warpgroups of 64) as the
+wgmma's M side and the rows of x (16-128, zero-filled past
 M by TMA) as its N side. `linear` (one chunk: matmul._gemm_swap_kernel's sums): each element
 accumulated in fp32 over the BLOCK_K steps in ascending k, one wgmma group a step, the first step
 from zero. The tree (splitk._row_tree_kernel's sums at the same split): each chunk's
@@ -35,17 +36,18 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from lockstep.kernels._triton._order import tree_join, tree_root
 from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, tile_rows
-from lockstep.kernels._triton.splitk_ws import (PRODUCER_REGISTERS, SHARED_BYTES, continue_chunk, gluon_descriptor,
-                                                invalidate_ring, open_chunk, ring_barriers)
+from lockstep.kernels._triton.splitk_ws import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, SHARED_BYTES, continue_chunk,
+                                                gluon_descriptor, invalidate_ring, open_chunk, ring_barriers)
 
 @gluon.jit
-def _producer(x_desc, w_desc, x_smem, w_smem, ready, empty, pid_w, pid_x, first, slots, K_PAD, PER: gl.constexpr,
-              STAGES: gl.constexpr, STEPS: gl.constexpr):
+def _producer(x_desc, w_desc, x_smem, w0_smem, w1_smem, ready, empty, pid_w, pid_x, first, slots, K_PAD,
+              PER: gl.constexpr, STAGES: gl.constexpr, STEPS: gl.constexpr, CONSUMERS: gl.constexpr):
     """The loads of chunks first .. first + PER - 1, `slots` slots of STEPS K steps each (chunk c's
-    columns start at c * K_PAD)."""
+    columns start at c * K_PAD): each step's weight rows (with CONSUMERS 2, each consumer's 64 into
+    its own buffer) and the rows of x, which every consumer reads."""
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
-    BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
-    NBYTES: gl.constexpr = STEPS * (x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+    BOX_W: gl.constexpr = w_desc.block_type.shape[0]
+    NBYTES: gl.constexpr = STEPS * (x_desc.block_type.nbytes + CONSUMERS * w_desc.block_type.nbytes)
     for t in range(PER * slots):
         s = t % STAGES
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # the slot's first use passes at once
@@ -54,7 +56,10 @@ def _producer(x_desc, w_desc, x_smem, w_smem, ready, empty, pid_w, pid_x, first,
         chunk = t // slots
         for i in gl.static_range(STEPS):
             k = (first + chunk) * K_PAD + ((t - chunk * slots) * STEPS + i) * BLOCK_K
-            tma.async_copy_global_to_shared(w_desc, [pid_w * BLOCK_W, k], bar, w_smem.index(s * STEPS + i))
+            tma.async_copy_global_to_shared(w_desc, [pid_w * CONSUMERS * BOX_W, k], bar, w0_smem.index(s * STEPS + i))
+            if CONSUMERS == 2:
+                tma.async_copy_global_to_shared(w_desc, [pid_w * 2 * BOX_W + BOX_W, k], bar,
+                                                w1_smem.index(s * STEPS + i))
             tma.async_copy_global_to_shared(x_desc, [pid_x * x_desc.block_type.shape[0], k], bar,
                                             x_smem.index(s * STEPS + i))
 
@@ -98,12 +103,52 @@ def _consumer(x_smem, w_smem, ready, empty, slots, PER: gl.constexpr, STAGES: gl
     return (root,)  # (the default partition's results: a tuple)
 
 
+@gluon.jit
+def _finish(root, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o, pid_w, pid_x, sub, c: gl.constexpr,
+            CONSUMERS: gl.constexpr, SPLIT: gl.constexpr):
+    """Consumer c's subtree root stored: at SPLIT 1 the rows of out, else into the workspace
+    [SPLIT, M, N] fp32, then a ticket (one for each consumer's rows of a tile), the rows' last
+    program summing the roots in the tree's top levels."""
+    BLOCK_W: gl.constexpr = root.shape[0]
+    BLOCK_X: gl.constexpr = root.shape[1]
+    mma: gl.constexpr = root.type.layout
+    offs_n = (pid_w * CONSUMERS + c) * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, mma))
+    offs_m = pid_x * BLOCK_X + gl.arange(0, BLOCK_X, layout=gl.SliceLayout(0, mma))
+    row_m = offs_m.to(gl.int64)[None, :]
+    inside = (offs_m < M)[None, :] & (offs_n < N)[:, None]
+    out = out_ptr + row_m * stride_o + offs_n[:, None]
+    if SPLIT == 1:
+        gl.store(out, root.to(out_ptr.dtype.element_ty), mask=inside)
+    else:
+        plane = M.to(gl.int64) * N
+        ws = ws_ptr + row_m * N + offs_n[:, None]
+        gl.store(ws + sub * plane, root, mask=inside)
+        gl.thread_barrier()  # every thread's stores precede the release
+        tile = (pid_x * gl.num_programs(0) + pid_w) * CONSUMERS + c
+        ticket = gl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT - 1:
+            gl.atomic_xchg(ticket_ptr + tile, 0, sem="relaxed", scope="gpu")  # left at zero (_tickets.py)
+            total = tree_root(ws, plane, inside, SPLIT)
+            gl.store(out, total.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@gluon.jit
+def _consumer_finishing(x_smem, w_smem, ready, empty, slots, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o, pid_w,
+                        pid_x, sub, c: gl.constexpr, CONSUMERS: gl.constexpr, PER: gl.constexpr, SPLIT: gl.constexpr,
+                        STAGES: gl.constexpr, STEPS: gl.constexpr, BLOCK_X: gl.constexpr, BLOCK_W: gl.constexpr):
+    """With two consumers: consumer c's subtree and its _finish, each inside its own partition."""
+    root, = _consumer(x_smem, w_smem, ready, empty, slots, PER, STAGES, STEPS, BLOCK_X, BLOCK_W)
+    _finish(root, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o, pid_w, pid_x, sub, c, CONSUMERS, SPLIT)
+
+
 @gluon.jit(do_not_specialize=["M"])  # one binary for every batch size, as the tl kernels
 def _gemm_swap_ws_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK, K_PAD, stride_o,
-                         CHUNKS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, STEPS: gl.constexpr):
+                         CHUNKS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, STEPS: gl.constexpr,
+                         CONSUMERS: gl.constexpr = 1):
     """Program (w tile, x tile, s): subtree s of the tile, chunks s * PER .. (s + 1) * PER - 1 of
     K_CHUNK columns each (starting every K_PAD columns). CHUNKS = SPLIT = 1: `linear`'s product over
-    K = K_CHUNK (ws_ptr and ticket_ptr unused)."""
+    K = K_CHUNK (ws_ptr and ticket_ptr unused). A tile's weight rows are CONSUMERS of w_desc's blocks,
+    one a consumer warpgroup (GemmConfig.consumers)."""
     BLOCK_X: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
@@ -113,33 +158,28 @@ def _gemm_swap_ws_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CH
     sub = gl.program_id(2)
     slots = gl.cdiv(K_CHUNK, BLOCK_K) // STEPS
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * STEPS, BLOCK_X, BLOCK_K], x_desc.layout)
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * STEPS, BLOCK_W, BLOCK_K], w_desc.layout)
-    ready, empty = ring_barriers(STAGES, 1)
-    root, = gl.warp_specialize([
-        (_consumer, (x_smem, w_smem, ready, empty, slots, PER, STAGES, STEPS, BLOCK_X, BLOCK_W)),
-        (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, pid_w, pid_x, sub * PER, slots, K_PAD, PER,
-                     STAGES, STEPS)),
-    ], [1], [PRODUCER_REGISTERS])
-    invalidate_ring(ready, empty, STAGES)
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_X, 16])
-    offs_n = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, mma))
-    offs_m = pid_x * BLOCK_X + gl.arange(0, BLOCK_X, layout=gl.SliceLayout(0, mma))
-    row_m = offs_m.to(gl.int64)[None, :]
-    inside = (offs_m < M)[None, :] & (offs_n < N)[:, None]
-    out = out_ptr + row_m * stride_o + offs_n[:, None]
-    if SPLIT == 1:
-        gl.store(out, root.to(out_ptr.dtype.element_ty), mask=inside)
-    else:  # workspace [SPLIT, M, N] fp32: this subtree's root, then a ticket; the tile's last program sums
-        plane = M.to(gl.int64) * N
-        ws = ws_ptr + row_m * N + offs_n[:, None]
-        gl.store(ws + sub * plane, root, mask=inside)
-        gl.thread_barrier()  # every thread's stores precede the release
-        tile = pid_x * gl.num_programs(0) + pid_w
-        ticket = gl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT - 1:
-            gl.atomic_xchg(ticket_ptr + tile, 0, sem="relaxed", scope="gpu")  # left at zero (_tickets.py)
-            total = tree_root(ws, plane, inside, SPLIT)
-            gl.store(out, total.to(out_ptr.dtype.element_ty), mask=inside)
+    w0_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * STEPS, BLOCK_W, BLOCK_K], w_desc.layout)
+    ready, empty = ring_barriers(STAGES, CONSUMERS)
+    # (the argument tuples are written out in the calls: a tuple variable loses their constexprs)
+    if CONSUMERS == 2:  # two consumer warpgroups sharing each slot's x, each finishing its own rows
+        w1_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * STEPS, BLOCK_W, BLOCK_K], w_desc.layout)
+        gl.warp_specialize([
+            (_consumer_finishing, (x_smem, w0_smem, ready, empty, slots, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o,
+                                   pid_w, pid_x, sub, 0, CONSUMERS, PER, SPLIT, STAGES, STEPS, BLOCK_X, BLOCK_W)),
+            (_consumer_finishing, (x_smem, w1_smem, ready, empty, slots, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o,
+                                   pid_w, pid_x, sub, 1, CONSUMERS, PER, SPLIT, STAGES, STEPS, BLOCK_X, BLOCK_W)),
+            (_producer, (x_desc, w_desc, x_smem, w0_smem, w1_smem, ready, empty, pid_w, pid_x, sub * PER, slots, K_PAD,
+                         PER, STAGES, STEPS, CONSUMERS)),
+        ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+        invalidate_ring(ready, empty, STAGES)
+    else:
+        root, = gl.warp_specialize([
+            (_consumer, (x_smem, w0_smem, ready, empty, slots, PER, STAGES, STEPS, BLOCK_X, BLOCK_W)),
+            (_producer, (x_desc, w_desc, x_smem, w0_smem, w0_smem, ready, empty, pid_w, pid_x, sub * PER, slots, K_PAD,
+                         PER, STAGES, STEPS, CONSUMERS)),
+        ], [1], [PRODUCER_REGISTERS])
+        invalidate_ring(ready, empty, STAGES)
+        _finish(root, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o, pid_w, pid_x, sub, 0, CONSUMERS, SPLIT)
 
 
 def swap_ws_fits(k_chunk: int, cfg: GemmConfig, dtype: torch.dtype) -> bool:
@@ -154,7 +194,7 @@ def gemm_swap_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: 
     """out [M, N] = x [M, K] @ weight [N, K]^T, both row-major with 16-byte aligned rows (16-bit).
     With chunks > 1 (the row-parallel tree, splitk.row_tree): K is `chunks` chunks of `chunk` columns
     starting every `padded` columns, summed in the canonical tree by `split` programs a tile (split > 1:
-    ws [split, M, N] fp32 and zeroed tickets, one a tile)."""
+    ws [split, M, N] fp32 and zeroed tickets, one for each consumer's rows of a tile)."""
     if not (cfg.gluon and cfg.swap_ab):  # (GemmConfig holds such a tile to 64 or 128 weight rows)
         raise ValueError(f"{cfg}: the swapped Gluon kernel takes gluon=True and swap_ab=True")
     chunk = chunk or x.shape[1]
@@ -172,6 +212,7 @@ def gemm_swap_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: 
         raise ValueError(f"{cfg}: {cfg.num_stages} stages of {cfg.steps_per_stage} K steps of {rows} x rows and "
                          f"{cfg.block_n} weight rows take {shared} bytes of shared memory, more than {SHARED_BYTES}")
     _gemm_swap_ws_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, rows), split)](
-        gluon_descriptor(x, [rows, bk]), gluon_descriptor(weight, [cfg.block_n, bk]), out,
+        gluon_descriptor(x, [rows, bk]), gluon_descriptor(weight, [cfg.block_n // cfg.consumers, bk]), out,
         out if ws is None else ws, out if tickets is None else tickets, m, n, chunk, padded or chunk, out.stride(0),
-        CHUNKS=chunks, SPLIT=split, STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage, num_warps=cfg.num_warps)
+        CHUNKS=chunks, SPLIT=split, STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage, CONSUMERS=cfg.consumers,
+        num_warps=cfg.num_warps)
