@@ -55,9 +55,10 @@ SWAPPED_GLUON_CONFIGS = [G(64, rows, 1, 4, stages, swap_ab=True, warp_specialize
     G(128, 64, 1, 4, stages, swap_ab=True, warp_specialize=True, gluon=True, steps_per_stage=steps)
     for stages, steps in ((8, 1), (4, 2), (6, 1))] + [
     # two consumer warpgroups of 64 weight rows sharing each slot's x (GemmConfig.consumers): x read
-    # from L2 once a 128 weight rows; (rows of x, slots, K steps a slot), 144-192 KiB of ring
+    # from L2 once a 128 weight rows; (rows of x, slots, K steps a slot), 96-192 KiB of ring (at 128
+    # rows of x beside the pending pairs and quads: swap_ws.held_bytes)
     G(x_rows, 128, 1, 4, stages, swap_ab=True, warp_specialize=True, gluon=True, steps_per_stage=steps, consumers=2)
-    for x_rows, stages, steps in ((64, 4, 2), (64, 8, 1), (64, 6, 1), (128, 6, 1), (128, 3, 2))]
+    for x_rows, stages, steps in ((64, 4, 2), (64, 8, 1), (64, 6, 1), (128, 3, 1), (128, 4, 1))]
 
 
 def _gluon(block_n: int, stages: int, in_flight: int = 1, group_m: int = 8, accumulators: int = 1,

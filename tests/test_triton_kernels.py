@@ -399,10 +399,12 @@ for cfg, chunk_counts in [(cfg, (8, 4, 2, 1)) for _, cfg in ROW_CONFIGS_16BIT] +
         for chunks in chunk_counts:
             for split in [s for s in (1, 2, 4, 8) if s <= chunks]:
                 for rows in (16, cfg.block_m) if split <= 2 else (16, min(cfg.block_m, 64)):  # as row_tree splits
+                    wr = cfg.block_n // cfg.consumers  # a consumer's weight rows: w_desc's block
                     descs = {"x_desc": f"tensordesc<bf16[{rows}, 64],{W.gluon_layout([rows, 64])!r}>",
-                             "w_desc": f"tensordesc<bf16[64, 64],{W.gluon_layout([64, 64])!r}>",
+                             "w_desc": f"tensordesc<bf16[{wr}, 64],{W.gluon_layout([wr, 64])!r}>",
                              "out_ptr": "*bf16" if chunks == 8 else "*fp32", "ws_ptr": "*fp32", "ticket_ptr": "*i32"}
-                    ce = dict(CHUNKS=chunks, SPLIT=split, STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage)
+                    ce = dict(CHUNKS=chunks, SPLIT=split, STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage,
+                              CONSUMERS=cfg.consumers)
                     r = compile_sm90(SW._gemm_swap_ws_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, 1)
                     out.append(dict(r, tile=[rows, cfg.block_n], split=split, chunks=chunks, gluon=True))
         continue
@@ -486,10 +488,11 @@ types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16",
 for cfg in [c for _, c in CONFIGS_16BIT] + [c for *_, c in WIDTH_CONFIGS_16BIT]:
     if cfg.gluon and cfg.swap_ab:  # swap_ws.py, as gemm_swap_ws launches it, at its narrowest and widest x tile
         for rows in sorted({16, cfg.block_m}):
+            wr = cfg.block_n // cfg.consumers  # a consumer's weight rows: w_desc's block
             descs = {"x_desc": f"tensordesc<bf16[{rows}, 64],{W.gluon_layout([rows, 64])!r}>",
-                     "w_desc": f"tensordesc<bf16[64, 64],{W.gluon_layout([64, 64])!r}>", "out_ptr": "*bf16"}
+                     "w_desc": f"tensordesc<bf16[{wr}, 64],{W.gluon_layout([wr, 64])!r}>", "out_ptr": "*bf16"}
             descs.update(ws_ptr="*fp32", ticket_ptr="*i32")
-            ce = dict(CHUNKS=1, SPLIT=1, STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage)
+            ce = dict(CHUNKS=1, SPLIT=1, STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage, CONSUMERS=cfg.consumers)
             r = compile_sm90(S._gemm_swap_ws_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, 1)
             out.append(dict(r, rows=rows, weight_rows=cfg.block_n, ws=True, gluon=True))
 for cfg in [tl_tile(c) for _, c in CONFIGS_16BIT] + [tl_tile(c) for *_, c in WIDTH_CONFIGS_16BIT]:  # as matmul._gemm
@@ -764,7 +767,7 @@ def test_gpu_gluon_row_tree_schedules_give_the_tl_bits(k):
     wide = replace(swapped, block_n=128, num_stages=4)  # 128 weight rows: two wgmmas a step
     rows128 = replace(one_step, block_m=128)  # up to 128 rows of x a tile (the 65-128-row bucket)
     pair = replace(swapped, block_n=128, num_stages=4, consumers=2)  # two consumers sharing x
-    pair128 = replace(rows128, block_n=128, num_stages=6, consumers=2)
+    pair128 = replace(rows128, block_n=128, num_stages=3, consumers=2)  # (its pending pairs in shared memory)
     plain = GemmConfig(64, 128, 8, 4, 4)  # the tl kernel's unswapped tile
     alternating = [GemmConfig(128, n, 8, 4, stages, warp_specialize=True, gluon=True, accumulators=acc, tma_store=tma,
                               siblings=sib)

@@ -65,22 +65,48 @@ def _producer(x_desc, w_desc, x_smem, w0_smem, w1_smem, ready, empty, pid_w, pid
 
 
 @gluon.jit
-def _chunk(x_smem, w_smem, ready, empty, acc, prev, h1, h2, h4, t, slots, j: gl.constexpr, PER: gl.constexpr,
+def _join(v, j, h1, h2, h4, held, PER: gl.constexpr):
+    """Chunk j's product v joins the tree: tree_join, or where `held` is a pair of shared buffers
+    (two consumers of 128 rows of x, whose registers hold the accumulators and h1 only) with the
+    pending pair in held.index(0) and the pending quad in held.index(1), the same adds in the same
+    order. Each thread reads back only what it stored."""
+    if held is None:
+        h1, h2, h4, v = tree_join(v, j, h1, h2, h4, PER)
+    else:
+        layout: gl.constexpr = v.type.layout
+        h1, _, _, v = tree_join(v, j, h1, h1, h1, 2 if PER > 2 else PER)  # the chunk level in registers
+        if PER > 2:
+            if j % 4 == 3:
+                v = held.index(0).load(layout) + v
+        if PER > 4:
+            if j % 8 == 7:
+                v = held.index(1).load(layout) + v
+        if PER > 2:
+            if j % 4 == 1:
+                held.index(0).store(v)
+        if PER > 4:
+            if j % 8 == 3:
+                held.index(1).store(v)
+    return h1, h2, h4, v
+
+
+@gluon.jit
+def _chunk(x_smem, w_smem, ready, empty, acc, prev, h1, h2, h4, held, t, slots, j: gl.constexpr, PER: gl.constexpr,
            STAGES: gl.constexpr, STEPS: gl.constexpr):
     """Chunk j of the program's subtree into acc (the weight rows as the wgmma's M side); chunk j - 1
     (in prev) joins the tree while acc's first slot runs (splitk_ws.open_chunk)."""
     acc, prev, t = open_chunk(w_smem, x_smem, ready, empty, acc, prev, t, j > 0, STAGES, STEPS)
     if j > 0:
-        h1, h2, h4, prev = tree_join(prev, j - 1, h1, h2, h4, PER)
+        h1, h2, h4, prev = _join(prev, j - 1, h1, h2, h4, held, PER)
     acc, t = continue_chunk(w_smem, x_smem, ready, empty, acc, t, slots, STAGES, STEPS)
     return acc, prev, h1, h2, h4, t
 
 
 @gluon.jit
 def _consumer(x_smem, w_smem, ready, empty, slots, PER: gl.constexpr, STAGES: gl.constexpr, STEPS: gl.constexpr,
-              BLOCK_X: gl.constexpr, BLOCK_W: gl.constexpr):
+              BLOCK_X: gl.constexpr, BLOCK_W: gl.constexpr, held=None):
     """The root of the program's subtree of PER chunks, [BLOCK_W, BLOCK_X] fp32 (element (n, m) is
-    out[m, n]); chunks alternate between two accumulators."""
+    out[m, n]); chunks alternate between two accumulators; held: _join's."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_X, 16])
     acc = gl.zeros([BLOCK_W, BLOCK_X], gl.float32, mma)
     other = gl.zeros([BLOCK_W, BLOCK_X], gl.float32, mma)
@@ -89,17 +115,17 @@ def _consumer(x_smem, w_smem, ready, empty, slots, PER: gl.constexpr, STAGES: gl
     h4 = gl.zeros([BLOCK_W, BLOCK_X], gl.float32, mma)
     t = 0
     if PER == 1:
-        other, acc, h1, h2, h4, t = _chunk(x_smem, w_smem, ready, empty, other, acc, h1, h2, h4, t, slots, 0, PER,
-                                           STAGES, STEPS)
+        other, acc, h1, h2, h4, t = _chunk(x_smem, w_smem, ready, empty, other, acc, h1, h2, h4, held, t, slots, 0,
+                                           PER, STAGES, STEPS)
     else:
         for jp in gl.static_range(PER // 2):
-            acc, other, h1, h2, h4, t = _chunk(x_smem, w_smem, ready, empty, acc, other, h1, h2, h4, t, slots, 2 * jp,
-                                               PER, STAGES, STEPS)
-            other, acc, h1, h2, h4, t = _chunk(x_smem, w_smem, ready, empty, other, acc, h1, h2, h4, t, slots,
+            acc, other, h1, h2, h4, t = _chunk(x_smem, w_smem, ready, empty, acc, other, h1, h2, h4, held, t, slots,
+                                               2 * jp, PER, STAGES, STEPS)
+            other, acc, h1, h2, h4, t = _chunk(x_smem, w_smem, ready, empty, other, acc, h1, h2, h4, held, t, slots,
                                                2 * jp + 1, PER, STAGES, STEPS)
     # the last chunk is in `other`; its last slot needs no freeing (the producer is done)
     other = warpgroup_mma_wait(num_outstanding=0, deps=(other,))
-    h1, h2, h4, root = tree_join(other, PER - 1, h1, h2, h4, PER)
+    h1, h2, h4, root = _join(other, PER - 1, h1, h2, h4, held, PER)
     return (root,)  # (the default partition's results: a tuple)
 
 
@@ -133,11 +159,11 @@ def _finish(root, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o, pid_w, pid_x, sub
 
 
 @gluon.jit
-def _consumer_finishing(x_smem, w_smem, ready, empty, slots, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o, pid_w,
+def _consumer_finishing(x_smem, w_smem, ready, empty, held, slots, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o, pid_w,
                         pid_x, sub, c: gl.constexpr, CONSUMERS: gl.constexpr, PER: gl.constexpr, SPLIT: gl.constexpr,
                         STAGES: gl.constexpr, STEPS: gl.constexpr, BLOCK_X: gl.constexpr, BLOCK_W: gl.constexpr):
     """With two consumers: consumer c's subtree and its _finish, each inside its own partition."""
-    root, = _consumer(x_smem, w_smem, ready, empty, slots, PER, STAGES, STEPS, BLOCK_X, BLOCK_W)
+    root, = _consumer(x_smem, w_smem, ready, empty, slots, PER, STAGES, STEPS, BLOCK_X, BLOCK_W, held)
     _finish(root, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o, pid_w, pid_x, sub, c, CONSUMERS, SPLIT)
 
 
@@ -153,6 +179,7 @@ def _gemm_swap_ws_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CH
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
     PER: gl.constexpr = CHUNKS // SPLIT
+    HELD: gl.constexpr = held_bytes(CONSUMERS, BLOCK_X, CHUNKS // SPLIT) > 0
     pid_w = gl.program_id(0)
     pid_x = gl.program_id(1)
     sub = gl.program_id(2)
@@ -163,11 +190,19 @@ def _gemm_swap_ws_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CH
     # (the argument tuples are written out in the calls: a tuple variable loses their constexprs)
     if CONSUMERS == 2:  # two consumer warpgroups sharing each slot's x, each finishing its own rows
         w1_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * STEPS, BLOCK_W, BLOCK_K], w_desc.layout)
+        if HELD:  # (held_bytes) each consumer's pending pair and quad in shared memory
+            held_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_W, BLOCK_X], gl.float32)
+            held0 = gl.allocate_shared_memory(gl.float32, [2 if PER > 4 else 1, BLOCK_W, BLOCK_X], held_l)
+            held1 = gl.allocate_shared_memory(gl.float32, [2 if PER > 4 else 1, BLOCK_W, BLOCK_X], held_l)
+        else:
+            held0, held1 = None, None
         gl.warp_specialize([
-            (_consumer_finishing, (x_smem, w0_smem, ready, empty, slots, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o,
-                                   pid_w, pid_x, sub, 0, CONSUMERS, PER, SPLIT, STAGES, STEPS, BLOCK_X, BLOCK_W)),
-            (_consumer_finishing, (x_smem, w1_smem, ready, empty, slots, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o,
-                                   pid_w, pid_x, sub, 1, CONSUMERS, PER, SPLIT, STAGES, STEPS, BLOCK_X, BLOCK_W)),
+            (_consumer_finishing, (x_smem, w0_smem, ready, empty, held0, slots, out_ptr, ws_ptr, ticket_ptr, M, N,
+                                   stride_o, pid_w, pid_x, sub, 0, CONSUMERS, PER, SPLIT, STAGES, STEPS, BLOCK_X,
+                                   BLOCK_W)),
+            (_consumer_finishing, (x_smem, w1_smem, ready, empty, held1, slots, out_ptr, ws_ptr, ticket_ptr, M, N,
+                                   stride_o, pid_w, pid_x, sub, 1, CONSUMERS, PER, SPLIT, STAGES, STEPS, BLOCK_X,
+                                   BLOCK_W)),
             (_producer, (x_desc, w_desc, x_smem, w0_smem, w1_smem, ready, empty, pid_w, pid_x, sub * PER, slots, K_PAD,
                          PER, STAGES, STEPS, CONSUMERS)),
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
@@ -180,6 +215,16 @@ def _gemm_swap_ws_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CH
         ], [1], [PRODUCER_REGISTERS])
         invalidate_ring(ready, empty, STAGES)
         _finish(root, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o, pid_w, pid_x, sub, 0, CONSUMERS, SPLIT)
+
+
+@gluon.constexpr_function
+def held_bytes(consumers, rows, per):
+    """Shared bytes of the pending pairs and quads (_join's `held`): two consumers of 128 rows of x
+    (each accumulator 64 registers a thread: the two alternating and h1 fill the consumers' 232)
+    whose subtree has pairs (more than 2 chunks); none otherwise."""
+    if consumers != 2 or rows <= 64 or per <= 2:
+        return 0
+    return 2 * (2 if per > 4 else 1) * 64 * rows * 4
 
 
 def swap_ws_fits(k_chunk: int, cfg: GemmConfig, dtype: torch.dtype) -> bool:
@@ -207,10 +252,12 @@ def gemm_swap_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: 
     m, n = out.shape
     bk = block_k(x.dtype)
     rows = tile_rows(m, cfg)
-    shared = cfg.num_stages * cfg.steps_per_stage * (rows + cfg.block_n) * bk * x.element_size()
+    held = held_bytes(cfg.consumers, rows, chunks // split)
+    shared = cfg.num_stages * cfg.steps_per_stage * (rows + cfg.block_n) * bk * x.element_size() + held
     if shared > SHARED_BYTES:
         raise ValueError(f"{cfg}: {cfg.num_stages} stages of {cfg.steps_per_stage} K steps of {rows} x rows and "
-                         f"{cfg.block_n} weight rows take {shared} bytes of shared memory, more than {SHARED_BYTES}")
+                         f"{cfg.block_n} weight rows (and {held} bytes of pending subtrees) take {shared} bytes of "
+                         f"shared memory, more than {SHARED_BYTES}")
     _gemm_swap_ws_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, rows), split)](
         gluon_descriptor(x, [rows, bk]), gluon_descriptor(weight, [cfg.block_n // cfg.consumers, bk]), out,
         out if ws is None else ws, out if tickets is None else tickets, m, n, chunk, padded or chunk, out.stride(0),
