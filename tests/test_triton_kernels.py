@@ -397,7 +397,7 @@ one_by_one = [(replace(ROW_CONFIGS_16BIT[-1][1], siblings=False), (8, 4, 2))]
 for cfg, chunk_counts in [(cfg, (8, 4, 2, 1)) for _, cfg in ROW_CONFIGS_16BIT] + one_by_one + gluon_linear:
     if cfg.gluon and cfg.swap_ab:  # the decode bucket's subtrees (swap_ws.py) at every TP size and split
         for chunks in chunk_counts:
-            for split in [s for s in (1, 2, 4, 8) if s <= chunks]:
+            for split in [s for s in (1, 2, 4, 8) if s <= chunks and (cfg.consumers == 1 or s <= 2)]:
                 for rows in (16, cfg.block_m) if split <= 2 else (16, min(cfg.block_m, 64)):  # as row_tree splits
                     wr = cfg.block_n // cfg.consumers  # a consumer's weight rows: w_desc's block
                     descs = {"x_desc": f"tensordesc<bf16[{rows}, 64],{W.gluon_layout([rows, 64])!r}>",
