@@ -34,6 +34,7 @@
 #               (decode, kernels and sweeps need only torch and triton: no carried wheels)
 #   kernels     benchmarks/kernels.py (all kernel tables; the attention tables add vLLM's FA3 as a baseline
 #               where vLLM is installed in /tmp/site: run vllm_a, vllm_b earlier on the same machine)
+#   matmul      benchmarks/bench_matmul.py (kernels.py's GEMM tables alone: the done-means GEMM rows)
 #   sweep_rowtree benchmarks/sweep_rowtree.py $SWEEP_ARGS (K-chunk tree GEMM: tile x kernel x split vs cuBLAS
 #               and `linear`; default the row-parallel shapes, `--shapes column --chunks 2` the column ones,
 #               `--gluon-only` the Gluon tiles alone (`--shapes column --chunks 1`: `linear`'s Gluon buckets);
@@ -183,6 +184,7 @@ for stage in "$@"; do
                > "$OUT/probe_prefill.log" 2>&1; tail -20 "$OUT/probe_prefill.log" ;;
     logp)    link_lockstep; timeout 300 python3 benchmarks/bench_logp.py > "$OUT/logp.log" 2>&1; tail -30 "$OUT/logp.log" ;;
     kernels) link_lockstep; timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
+    matmul)  link_lockstep; timeout 200 python3 benchmarks/bench_matmul.py > "$OUT/matmul.log" 2>&1; tail -60 "$OUT/matmul.log" ;;
     *)       echo "unknown stage $stage"; rc=2 ;;
   esac
 done
