@@ -44,6 +44,7 @@ SPLITS = [None, 1, 2, 4, 8]  # None: the launcher's choice; splits above the chu
 
 
 # the swapped Gluon subtrees (swap_ws.py): a producer warp, one consumer warpgroup of 64 weight rows
+# alternating two accumulators over the chunks, (slots, K steps a slot)
 # alternating two accumulators over the chunks, (weight rows, slots, K steps a slot); 128 weight rows:
 # two wgmmas a step on the same rows of x
 SWAPPED_GLUON_CONFIGS = [G(64, rows, 1, 4, stages, swap_ab=True, warp_specialize=True, gluon=True,
@@ -53,12 +54,7 @@ SWAPPED_GLUON_CONFIGS = [G(64, rows, 1, 4, stages, swap_ab=True, warp_specialize
     # 128 rows of x (the 8B rollout's decode batch) on the N side of 64 weight rows; 144-192 KiB of
     # ring. The first (8 slots of 1 step) is the table's 97-128-row bucket (matmul_configs.py)
     G(128, 64, 1, 4, stages, swap_ab=True, warp_specialize=True, gluon=True, steps_per_stage=steps)
-    for stages, steps in ((8, 1), (4, 2), (6, 1))] + [
-    # two consumer warpgroups of 64 weight rows sharing each slot's x (GemmConfig.consumers): x read
-    # from L2 once a 128 weight rows; (rows of x, slots, K steps a slot), 96-192 KiB of ring (at 128
-    # rows of x beside the pending pairs and quads: swap_ws.held_bytes)
-    G(x_rows, 128, 1, 4, stages, swap_ab=True, warp_specialize=True, gluon=True, steps_per_stage=steps, consumers=2)
-    for x_rows, stages, steps in ((64, 4, 2), (64, 8, 1), (64, 6, 1), (128, 3, 1), (128, 4, 1))]
+    for stages, steps in ((8, 1), (4, 2), (6, 1))]
 
 
 def _gluon(block_n: int, stages: int, in_flight: int = 1, group_m: int = 8, accumulators: int = 1,
@@ -151,7 +147,6 @@ def main() -> None:
                        split or "auto", *((f"{cfg.steps_per_stage}steps",) if cfg.steps_per_stage > 1 else ()),
                        *((f"{cfg.accumulators}acc",) if cfg.accumulators > 1 else ()),
                        *(("sib",) if cfg.siblings else ()),
-                       *((f"{cfg.consumers}wg",) if cfg.consumers > 1 else ()),
                        *(("tma",) if cfg.tma_store else ()))
                 if args.match and not any(part in str(key) for part in args.match.split(",")):
                     continue

@@ -326,17 +326,6 @@ def test_warp_specialized_configs_compute_the_same_sums(monkeypatch):
     with pytest.raises(ValueError, match="steps_per_stage is the swapped Gluon kernel's"):
         replace(ws, steps_per_stage=2)
     assert mc.tl_tile(swapped_gluon) == replace(swapped_gluon, gluon=False, warp_specialize=False, steps_per_stage=1)
-    # two consumer warpgroups of 64 weight rows: the swapped Gluon tile of 128 (run as the tl tile in the
-    # interpreter: the same bits at every split); refused on any other tile
-    pair = replace(swapped_gluon, block_n=128, consumers=2)
-    assert mc.tl_tile(pair) == replace(swapped_gluon, block_n=128, gluon=False, warp_specialize=False,
-                                       steps_per_stage=1)
-    for split in (1, 2):
-        assert torch.equal(row_tree(x[:40], w, 12, torch.float32, split=split, config=pair),
-                           row_tree(x[:40], w, 12, torch.float32, split=1, config=tl_swapped)), split
-    for bad in (dict(consumers=3), dict(consumers=2, block_n=64), dict(consumers=2, swap_ab=False, block_m=128)):
-        with pytest.raises(ValueError, match="consumers is 1, or 2"):
-            replace(swapped_gluon, **bad)
     # the swapped Gluon subtrees' programs fill at most half the SMs: Qwen3-8B's 64 tiles one a tile,
     # a smaller model's 32 two, never more programs than chunks
     from lockstep.kernels._triton import splitk
@@ -397,14 +386,12 @@ one_by_one = [(replace(ROW_CONFIGS_16BIT[-1][1], siblings=False), (8, 4, 2))]
 for cfg, chunk_counts in [(cfg, (8, 4, 2, 1)) for _, cfg in ROW_CONFIGS_16BIT] + one_by_one + gluon_linear:
     if cfg.gluon and cfg.swap_ab:  # the decode bucket's subtrees (swap_ws.py) at every TP size and split
         for chunks in chunk_counts:
-            for split in [s for s in (1, 2, 4, 8) if s <= chunks and (cfg.consumers == 1 or s <= 2)]:
+            for split in [s for s in (1, 2, 4, 8) if s <= chunks]:
                 for rows in (16, cfg.block_m) if split <= 2 else (16, min(cfg.block_m, 64)):  # as row_tree splits
-                    wr = cfg.block_n // cfg.consumers  # a consumer's weight rows: w_desc's block
                     descs = {"x_desc": f"tensordesc<bf16[{rows}, 64],{W.gluon_layout([rows, 64])!r}>",
-                             "w_desc": f"tensordesc<bf16[{wr}, 64],{W.gluon_layout([wr, 64])!r}>",
+                             "w_desc": f"tensordesc<bf16[64, 64],{W.gluon_layout([64, 64])!r}>",
                              "out_ptr": "*bf16" if chunks == 8 else "*fp32", "ws_ptr": "*fp32", "ticket_ptr": "*i32"}
-                    ce = dict(CHUNKS=chunks, SPLIT=split, STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage,
-                              CONSUMERS=cfg.consumers)
+                    ce = dict(CHUNKS=chunks, SPLIT=split, STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage)
                     r = compile_sm90(SW._gemm_swap_ws_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, 1)
                     out.append(dict(r, tile=[rows, cfg.block_n], split=split, chunks=chunks, gluon=True))
         continue
@@ -488,11 +475,10 @@ types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16",
 for cfg in [c for _, c in CONFIGS_16BIT] + [c for *_, c in WIDTH_CONFIGS_16BIT]:
     if cfg.gluon and cfg.swap_ab:  # swap_ws.py, as gemm_swap_ws launches it, at its narrowest and widest x tile
         for rows in sorted({16, cfg.block_m}):
-            wr = cfg.block_n // cfg.consumers  # a consumer's weight rows: w_desc's block
             descs = {"x_desc": f"tensordesc<bf16[{rows}, 64],{W.gluon_layout([rows, 64])!r}>",
-                     "w_desc": f"tensordesc<bf16[{wr}, 64],{W.gluon_layout([wr, 64])!r}>", "out_ptr": "*bf16"}
+                     "w_desc": f"tensordesc<bf16[64, 64],{W.gluon_layout([64, 64])!r}>", "out_ptr": "*bf16"}
             descs.update(ws_ptr="*fp32", ticket_ptr="*i32")
-            ce = dict(CHUNKS=1, SPLIT=1, STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage, CONSUMERS=cfg.consumers)
+            ce = dict(CHUNKS=1, SPLIT=1, STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage)
             r = compile_sm90(S._gemm_swap_ws_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, 1)
             out.append(dict(r, rows=rows, weight_rows=cfg.block_n, ws=True, gluon=True))
 for cfg in [tl_tile(c) for _, c in CONFIGS_16BIT] + [tl_tile(c) for *_, c in WIDTH_CONFIGS_16BIT]:  # as matmul._gemm
@@ -749,7 +735,7 @@ def test_gpu_row_parallel_linear_row_invariant_qwen3_8b(k):
 def test_gpu_gluon_row_tree_schedules_give_the_tl_bits(k):
     """The row tree's Gluon schedules give the tl kernel's bits on the same tiles: the swapped
     subtrees of swap_ws.py (two accumulators over the chunks, slots of 1 or 2 K steps, 64 or 128
-    weight rows, the 128 as one consumer or two, 64 or 128 rows of x, the ticketed join at a split) at decode sizes, every split and a TP rank's chunk
+    weight rows, 64 or 128 rows of x, the ticketed join at a split) at decode sizes, every split and a TP rank's chunk
     counts; the unswapped tree with two accumulators a consumer (64- and 128-column tiles), with
     sibling chunks step by step (GemmConfig.siblings), and with its tiles leaving by TMA store (bf16
     out; a TP rank's fp32 roots where they fit); and a swapped
@@ -766,8 +752,6 @@ def test_gpu_gluon_row_tree_schedules_give_the_tl_bits(k):
     one_step = replace(swapped, num_stages=8, steps_per_stage=1)
     wide = replace(swapped, block_n=128, num_stages=4)  # 128 weight rows: two wgmmas a step
     rows128 = replace(one_step, block_m=128)  # up to 128 rows of x a tile (the 65-128-row bucket)
-    pair = replace(swapped, block_n=128, num_stages=4, consumers=2)  # two consumers sharing x
-    pair128 = replace(rows128, block_n=128, num_stages=3, consumers=2)  # (its pending pairs in shared memory)
     plain = GemmConfig(64, 128, 8, 4, 4)  # the tl kernel's unswapped tile
     alternating = [GemmConfig(128, n, 8, 4, stages, warp_specialize=True, gluon=True, accumulators=acc, tma_store=tma,
                               siblings=sib)
@@ -780,8 +764,7 @@ def test_gpu_gluon_row_tree_schedules_give_the_tl_bits(k):
         for m in (1, 8, 17, 33, 64, 100, 128) if chunks == 8 else (8, 64, 128):
             ref = row_tree(xs[:m], ws, chunk, dtype, split=1, config=tl_tile(swapped))
             for split in [s for s in (1, 2, 4, 8) if s <= chunks]:
-                for cfg in (swapped, one_step, wide, rows128, pair, pair128) if chunks == 8 else (
-                        swapped, wide, rows128, pair, pair128):
+                for cfg in (swapped, one_step, wide, rows128) if chunks == 8 else (swapped, wide, rows128):
                     assert torch.equal(row_tree(xs[:m], ws, chunk, dtype, split=split, config=cfg), ref), \
                         (chunks, m, split, cfg)
         for m in (129, 256, 1000) if chunks == 8 else (1000,):

@@ -81,15 +81,9 @@ class GemmConfig:
     # consumers' tiles fit beside the ring (and a tree's quads) and the output is a TMA operand; a TP
     # rank's fp32 subtree roots, twice the bytes, may not, and leave from registers: the same values.
     tma_store: bool = False
-    # A swapped Gluon config (swap_ws.py): consumer warpgroups a program. 2: block_n = 128 weight rows
-    # as two consumers of 64, each with its own accumulators and subtree, sharing every slot's rows of
-    # x, so that x crosses from L2 once a 128 weight rows instead of once a 64 (at decode sizes x's
-    # re-reads are as many bytes as the weight's, and L2's bandwidth is what the product waits on:
-    # benchmarks/RESULTS.md, forty-first session). Only the schedule: each element is the same sum.
-    consumers: int = 1
 
     def __post_init__(self):
-        if self.gluon and self.swap_ab:  # swap_ws.py: consumer warpgroups of 64 weight rows, a producer warp
+        if self.gluon and self.swap_ab:  # swap_ws.py: one consumer warpgroup of 64 weight rows, a producer warp
             shape_ok = self.block_n in (64, 128) and self.num_warps == 4 and self.block_m in (16, 32, 64, 128)
             if not (self.warp_specialize and shape_ok):
                 raise ValueError(f"{self}: a swapped Gluon tile (swap_ws.py) needs warp_specialize=True, block_n 64 or "
@@ -98,10 +92,6 @@ class GemmConfig:
         elif self.warp_specialize and (self.num_warps != 4 or (self.block_n if self.swap_ab else self.block_m) % 128):
             raise ValueError(f"{self}: warp_specialize needs num_warps=4 and a multiple of 128 MMA rows "
                              "(block_m, or block_n with swap_ab)")
-        if self.consumers not in (1, 2) or (self.consumers == 2 and not (self.gluon and self.swap_ab
-                                                                         and self.block_n == 128)):
-            raise ValueError(f"{self}: consumers is 1, or 2 for a swapped Gluon tile (gluon=True, swap_ab=True) of "
-                             "block_n=128 (two consumer warpgroups of 64 weight rows)")
         if self.gluon and not self.swap_ab and (not self.warp_specialize or self.block_m != 128):
             raise ValueError(f"{self}: gluon is the warp-specialised schedule of 128-row unswapped tiles (or of "
                              "swapped 64-row ones): it needs warp_specialize=True and block_m=128")
@@ -264,9 +254,8 @@ CONFIGS_FP32: list[tuple[int | None, GemmConfig]] = [
 # splitk.half_wave_split's): one program a tile at o_proj's and down's 64 tiles. With one program a
 # tile, 4 slots of 2 steps read 0.940 / 0.847 at M = 64, 8 slots of 1 step 0.886 / 0.914.
 ROW_CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
-    # PROVISIONAL (forty-first session, before its measurement): two consumers of 64 weight rows sharing x
-    (64, GemmConfig(block_m=64, block_n=128, group_m=1, num_warps=4, num_stages=4, swap_ab=True, warp_specialize=True,
-                    gluon=True, steps_per_stage=2, consumers=2)),
+    (64, GemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=6, swap_ab=True, warp_specialize=True,
+                    gluon=True, steps_per_stage=2)),
     # 65-96 rows: the tl kernel's 64x128 tiles (two of x's row blocks), one program an SM. The
     # swapped Gluon tile below slows as its 128 rows of x go part full: o_proj / down 22.6 / 59.3 us
     # at M = 80 and 18.6 / 52.9 at 96 against 21.3 / 48.2 and 20.0 / 48.8 for these tiles, then
@@ -311,7 +300,7 @@ def tl_tile(config: GemmConfig) -> GemmConfig:
     if not config.gluon:
         return config
     if config.swap_ab:
-        return replace(config, gluon=False, warp_specialize=False, steps_per_stage=1, consumers=1)
+        return replace(config, gluon=False, warp_specialize=False, steps_per_stage=1)
     return replace(config, gluon=False, num_stages=min(config.num_stages, MAX_WARP_SPECIALIZED_STAGES),
                    block_n=1 << (config.block_n.bit_length() - 1), accumulators=1, siblings=False, tma_store=False)
 

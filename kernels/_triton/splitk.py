@@ -211,12 +211,9 @@ def row_tree(x: torch.Tensor, weight: torch.Tensor, chunk: int, out_dtype: torch
         rows = tile_rows(m, cfg)
         tiles = triton.cdiv(m, rows) * triton.cdiv(n, cfg.block_n)
         # at most two programs a tile of more than 64 rows of x: the last program's join of 4 or 8
-        # subtree roots spills 528-2,440 bytes a thread there (compiled for sm_90a; split 1 136, 2 none);
-        # so too for two consumers (GemmConfig.consumers), each joining under 232 registers: 40-1,136
-        # bytes at 4 or 8 (64 rows of x), none at 1 or 2
-        most = 2 if rows > 64 or cfg.consumers == 2 else 8
-        split = _split(split or half_wave_split(tiles, min(chunks, most), x.device), chunks)
-        ws, tickets = _workspace(split, m, n, tiles * cfg.consumers, x.device)  # a ticket a consumer's rows
+        # subtree roots spills 528-2,440 bytes a thread there (compiled for sm_90a; split 1 136, 2 none)
+        split = _split(split or half_wave_split(tiles, chunks if rows <= 64 else min(chunks, 2), x.device), chunks)
+        ws, tickets = _workspace(split, m, n, tiles, x.device)
         gemm_swap_ws(x_op, w_op, out, cfg, chunks=chunks, chunk=chunk, padded=padded, split=split, ws=ws,
                      tickets=tickets)
         return out

@@ -3,8 +3,7 @@ Gluon: `linear`'s swapped buckets that set gluon (matmul_configs.py), and the ro
 decode bucket (splitk.py, kernels/rowlinear.py), which is the same schedule over K chunks.
 
 The same sums as the tl kernels: C^T = W @ X^T, 64 weight rows a program (GemmConfig.block_n; 128: two
-wgmmas a step on the same rows of x, or with GemmConfig.consumers = 2 two consumer warpgroups of 64) as the
-wgmma's M side and the rows of x (16-128, zero-filled past
+wgmmas a step on the same rows of x) as the wgmma's M side and the rows of x (16-128, zero-filled past
 M by TMA) as its N side. `linear` (one chunk: matmul._gemm_swap_kernel's sums): each element
 accumulated in fp32 over the BLOCK_K steps in ascending k, one wgmma group a step, the first step
 from zero. The tree (splitk._row_tree_kernel's sums at the same split): each chunk's
@@ -36,18 +35,17 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from lockstep.kernels._triton._order import tree_join, tree_root
 from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, tile_rows
-from lockstep.kernels._triton.splitk_ws import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, SHARED_BYTES, continue_chunk,
-                                                gluon_descriptor, invalidate_ring, open_chunk, ring_barriers)
+from lockstep.kernels._triton.splitk_ws import (PRODUCER_REGISTERS, SHARED_BYTES, continue_chunk, gluon_descriptor,
+                                                invalidate_ring, open_chunk, ring_barriers)
 
 @gluon.jit
-def _producer(x_desc, w_desc, x_smem, w0_smem, w1_smem, ready, empty, pid_w, pid_x, first, slots, K_PAD,
-              PER: gl.constexpr, STAGES: gl.constexpr, STEPS: gl.constexpr, CONSUMERS: gl.constexpr):
+def _producer(x_desc, w_desc, x_smem, w_smem, ready, empty, pid_w, pid_x, first, slots, K_PAD, PER: gl.constexpr,
+              STAGES: gl.constexpr, STEPS: gl.constexpr):
     """The loads of chunks first .. first + PER - 1, `slots` slots of STEPS K steps each (chunk c's
-    columns start at c * K_PAD): each step's weight rows (with CONSUMERS 2, each consumer's 64 into
-    its own buffer) and the rows of x, which every consumer reads."""
+    columns start at c * K_PAD)."""
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
-    BOX_W: gl.constexpr = w_desc.block_type.shape[0]
-    NBYTES: gl.constexpr = STEPS * (x_desc.block_type.nbytes + CONSUMERS * w_desc.block_type.nbytes)
+    BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
+    NBYTES: gl.constexpr = STEPS * (x_desc.block_type.nbytes + w_desc.block_type.nbytes)
     for t in range(PER * slots):
         s = t % STAGES
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # the slot's first use passes at once
@@ -56,57 +54,28 @@ def _producer(x_desc, w_desc, x_smem, w0_smem, w1_smem, ready, empty, pid_w, pid
         chunk = t // slots
         for i in gl.static_range(STEPS):
             k = (first + chunk) * K_PAD + ((t - chunk * slots) * STEPS + i) * BLOCK_K
-            tma.async_copy_global_to_shared(w_desc, [pid_w * CONSUMERS * BOX_W, k], bar, w0_smem.index(s * STEPS + i))
-            if CONSUMERS == 2:
-                tma.async_copy_global_to_shared(w_desc, [pid_w * 2 * BOX_W + BOX_W, k], bar,
-                                                w1_smem.index(s * STEPS + i))
+            tma.async_copy_global_to_shared(w_desc, [pid_w * BLOCK_W, k], bar, w_smem.index(s * STEPS + i))
             tma.async_copy_global_to_shared(x_desc, [pid_x * x_desc.block_type.shape[0], k], bar,
                                             x_smem.index(s * STEPS + i))
 
 
 @gluon.jit
-def _join(v, j, h1, h2, h4, held, PER: gl.constexpr):
-    """Chunk j's product v joins the tree: tree_join, or where `held` is a pair of shared buffers
-    (two consumers of 128 rows of x, whose registers hold the accumulators and h1 only) with the
-    pending pair in held.index(0) and the pending quad in held.index(1), the same adds in the same
-    order. Each thread reads back only what it stored."""
-    if held is None:
-        h1, h2, h4, v = tree_join(v, j, h1, h2, h4, PER)
-    else:
-        layout: gl.constexpr = v.type.layout
-        h1, _, _, v = tree_join(v, j, h1, h1, h1, 2 if PER > 2 else PER)  # the chunk level in registers
-        if PER > 2:
-            if j % 4 == 3:
-                v = held.index(0).load(layout) + v
-        if PER > 4:
-            if j % 8 == 7:
-                v = held.index(1).load(layout) + v
-        if PER > 2:
-            if j % 4 == 1:
-                held.index(0).store(v)
-        if PER > 4:
-            if j % 8 == 3:
-                held.index(1).store(v)
-    return h1, h2, h4, v
-
-
-@gluon.jit
-def _chunk(x_smem, w_smem, ready, empty, acc, prev, h1, h2, h4, held, t, slots, j: gl.constexpr, PER: gl.constexpr,
+def _chunk(x_smem, w_smem, ready, empty, acc, prev, h1, h2, h4, t, slots, j: gl.constexpr, PER: gl.constexpr,
            STAGES: gl.constexpr, STEPS: gl.constexpr):
     """Chunk j of the program's subtree into acc (the weight rows as the wgmma's M side); chunk j - 1
     (in prev) joins the tree while acc's first slot runs (splitk_ws.open_chunk)."""
     acc, prev, t = open_chunk(w_smem, x_smem, ready, empty, acc, prev, t, j > 0, STAGES, STEPS)
     if j > 0:
-        h1, h2, h4, prev = _join(prev, j - 1, h1, h2, h4, held, PER)
+        h1, h2, h4, prev = tree_join(prev, j - 1, h1, h2, h4, PER)
     acc, t = continue_chunk(w_smem, x_smem, ready, empty, acc, t, slots, STAGES, STEPS)
     return acc, prev, h1, h2, h4, t
 
 
 @gluon.jit
 def _consumer(x_smem, w_smem, ready, empty, slots, PER: gl.constexpr, STAGES: gl.constexpr, STEPS: gl.constexpr,
-              BLOCK_X: gl.constexpr, BLOCK_W: gl.constexpr, held=None):
+              BLOCK_X: gl.constexpr, BLOCK_W: gl.constexpr):
     """The root of the program's subtree of PER chunks, [BLOCK_W, BLOCK_X] fp32 (element (n, m) is
-    out[m, n]); chunks alternate between two accumulators; held: _join's."""
+    out[m, n]); chunks alternate between two accumulators."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_X, 16])
     acc = gl.zeros([BLOCK_W, BLOCK_X], gl.float32, mma)
     other = gl.zeros([BLOCK_W, BLOCK_X], gl.float32, mma)
@@ -115,116 +84,62 @@ def _consumer(x_smem, w_smem, ready, empty, slots, PER: gl.constexpr, STAGES: gl
     h4 = gl.zeros([BLOCK_W, BLOCK_X], gl.float32, mma)
     t = 0
     if PER == 1:
-        other, acc, h1, h2, h4, t = _chunk(x_smem, w_smem, ready, empty, other, acc, h1, h2, h4, held, t, slots, 0,
-                                           PER, STAGES, STEPS)
+        other, acc, h1, h2, h4, t = _chunk(x_smem, w_smem, ready, empty, other, acc, h1, h2, h4, t, slots, 0, PER,
+                                           STAGES, STEPS)
     else:
         for jp in gl.static_range(PER // 2):
-            acc, other, h1, h2, h4, t = _chunk(x_smem, w_smem, ready, empty, acc, other, h1, h2, h4, held, t, slots,
-                                               2 * jp, PER, STAGES, STEPS)
-            other, acc, h1, h2, h4, t = _chunk(x_smem, w_smem, ready, empty, other, acc, h1, h2, h4, held, t, slots,
+            acc, other, h1, h2, h4, t = _chunk(x_smem, w_smem, ready, empty, acc, other, h1, h2, h4, t, slots, 2 * jp,
+                                               PER, STAGES, STEPS)
+            other, acc, h1, h2, h4, t = _chunk(x_smem, w_smem, ready, empty, other, acc, h1, h2, h4, t, slots,
                                                2 * jp + 1, PER, STAGES, STEPS)
     # the last chunk is in `other`; its last slot needs no freeing (the producer is done)
     other = warpgroup_mma_wait(num_outstanding=0, deps=(other,))
-    h1, h2, h4, root = _join(other, PER - 1, h1, h2, h4, held, PER)
+    h1, h2, h4, root = tree_join(other, PER - 1, h1, h2, h4, PER)
     return (root,)  # (the default partition's results: a tuple)
 
 
-@gluon.jit
-def _finish(root, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o, pid_w, pid_x, sub, c: gl.constexpr,
-            CONSUMERS: gl.constexpr, SPLIT: gl.constexpr):
-    """Consumer c's subtree root stored: at SPLIT 1 the rows of out, else into the workspace
-    [SPLIT, M, N] fp32, then a ticket (one for each consumer's rows of a tile), the rows' last
-    program summing the roots in the tree's top levels."""
-    BLOCK_W: gl.constexpr = root.shape[0]
-    BLOCK_X: gl.constexpr = root.shape[1]
-    mma: gl.constexpr = root.type.layout
-    offs_n = (pid_w * CONSUMERS + c) * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, mma))
+@gluon.jit(do_not_specialize=["M"])  # one binary for every batch size, as the tl kernels
+def _gemm_swap_ws_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK, K_PAD, stride_o,
+                         CHUNKS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, STEPS: gl.constexpr):
+    """Program (w tile, x tile, s): subtree s of the tile, chunks s * PER .. (s + 1) * PER - 1 of
+    K_CHUNK columns each (starting every K_PAD columns). CHUNKS = SPLIT = 1: `linear`'s product over
+    K = K_CHUNK (ws_ptr and ticket_ptr unused)."""
+    BLOCK_X: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
+    PER: gl.constexpr = CHUNKS // SPLIT
+    pid_w = gl.program_id(0)
+    pid_x = gl.program_id(1)
+    sub = gl.program_id(2)
+    slots = gl.cdiv(K_CHUNK, BLOCK_K) // STEPS
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * STEPS, BLOCK_X, BLOCK_K], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * STEPS, BLOCK_W, BLOCK_K], w_desc.layout)
+    ready, empty = ring_barriers(STAGES, 1)
+    root, = gl.warp_specialize([
+        (_consumer, (x_smem, w_smem, ready, empty, slots, PER, STAGES, STEPS, BLOCK_X, BLOCK_W)),
+        (_producer, (x_desc, w_desc, x_smem, w_smem, ready, empty, pid_w, pid_x, sub * PER, slots, K_PAD, PER,
+                     STAGES, STEPS)),
+    ], [1], [PRODUCER_REGISTERS])
+    invalidate_ring(ready, empty, STAGES)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_X, 16])
+    offs_n = pid_w * BLOCK_W + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, mma))
     offs_m = pid_x * BLOCK_X + gl.arange(0, BLOCK_X, layout=gl.SliceLayout(0, mma))
     row_m = offs_m.to(gl.int64)[None, :]
     inside = (offs_m < M)[None, :] & (offs_n < N)[:, None]
     out = out_ptr + row_m * stride_o + offs_n[:, None]
     if SPLIT == 1:
         gl.store(out, root.to(out_ptr.dtype.element_ty), mask=inside)
-    else:
+    else:  # workspace [SPLIT, M, N] fp32: this subtree's root, then a ticket; the tile's last program sums
         plane = M.to(gl.int64) * N
         ws = ws_ptr + row_m * N + offs_n[:, None]
         gl.store(ws + sub * plane, root, mask=inside)
         gl.thread_barrier()  # every thread's stores precede the release
-        tile = (pid_x * gl.num_programs(0) + pid_w) * CONSUMERS + c
+        tile = pid_x * gl.num_programs(0) + pid_w
         ticket = gl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT - 1:
             gl.atomic_xchg(ticket_ptr + tile, 0, sem="relaxed", scope="gpu")  # left at zero (_tickets.py)
             total = tree_root(ws, plane, inside, SPLIT)
             gl.store(out, total.to(out_ptr.dtype.element_ty), mask=inside)
-
-
-@gluon.jit
-def _consumer_finishing(x_smem, w_smem, ready, empty, held, slots, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o, pid_w,
-                        pid_x, sub, c: gl.constexpr, CONSUMERS: gl.constexpr, PER: gl.constexpr, SPLIT: gl.constexpr,
-                        STAGES: gl.constexpr, STEPS: gl.constexpr, BLOCK_X: gl.constexpr, BLOCK_W: gl.constexpr):
-    """With two consumers: consumer c's subtree and its _finish, each inside its own partition."""
-    root, = _consumer(x_smem, w_smem, ready, empty, slots, PER, STAGES, STEPS, BLOCK_X, BLOCK_W, held)
-    _finish(root, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o, pid_w, pid_x, sub, c, CONSUMERS, SPLIT)
-
-
-@gluon.jit(do_not_specialize=["M"])  # one binary for every batch size, as the tl kernels
-def _gemm_swap_ws_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK, K_PAD, stride_o,
-                         CHUNKS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, STEPS: gl.constexpr,
-                         CONSUMERS: gl.constexpr = 1):
-    """Program (w tile, x tile, s): subtree s of the tile, chunks s * PER .. (s + 1) * PER - 1 of
-    K_CHUNK columns each (starting every K_PAD columns). CHUNKS = SPLIT = 1: `linear`'s product over
-    K = K_CHUNK (ws_ptr and ticket_ptr unused). A tile's weight rows are CONSUMERS of w_desc's blocks,
-    one a consumer warpgroup (GemmConfig.consumers)."""
-    BLOCK_X: gl.constexpr = x_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
-    BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
-    PER: gl.constexpr = CHUNKS // SPLIT
-    HELD: gl.constexpr = held_bytes(CONSUMERS, BLOCK_X, CHUNKS // SPLIT) > 0
-    pid_w = gl.program_id(0)
-    pid_x = gl.program_id(1)
-    sub = gl.program_id(2)
-    slots = gl.cdiv(K_CHUNK, BLOCK_K) // STEPS
-    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * STEPS, BLOCK_X, BLOCK_K], x_desc.layout)
-    w0_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * STEPS, BLOCK_W, BLOCK_K], w_desc.layout)
-    ready, empty = ring_barriers(STAGES, CONSUMERS)
-    # (the argument tuples are written out in the calls: a tuple variable loses their constexprs)
-    if CONSUMERS == 2:  # two consumer warpgroups sharing each slot's x, each finishing its own rows
-        w1_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * STEPS, BLOCK_W, BLOCK_K], w_desc.layout)
-        if HELD:  # (held_bytes) each consumer's pending pair and quad in shared memory
-            held_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_W, BLOCK_X], gl.float32)
-            held0 = gl.allocate_shared_memory(gl.float32, [2 if PER > 4 else 1, BLOCK_W, BLOCK_X], held_l)
-            held1 = gl.allocate_shared_memory(gl.float32, [2 if PER > 4 else 1, BLOCK_W, BLOCK_X], held_l)
-        else:
-            held0, held1 = None, None
-        gl.warp_specialize([
-            (_consumer_finishing, (x_smem, w0_smem, ready, empty, held0, slots, out_ptr, ws_ptr, ticket_ptr, M, N,
-                                   stride_o, pid_w, pid_x, sub, 0, CONSUMERS, PER, SPLIT, STAGES, STEPS, BLOCK_X,
-                                   BLOCK_W)),
-            (_consumer_finishing, (x_smem, w1_smem, ready, empty, held1, slots, out_ptr, ws_ptr, ticket_ptr, M, N,
-                                   stride_o, pid_w, pid_x, sub, 1, CONSUMERS, PER, SPLIT, STAGES, STEPS, BLOCK_X,
-                                   BLOCK_W)),
-            (_producer, (x_desc, w_desc, x_smem, w0_smem, w1_smem, ready, empty, pid_w, pid_x, sub * PER, slots, K_PAD,
-                         PER, STAGES, STEPS, CONSUMERS)),
-        ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
-        invalidate_ring(ready, empty, STAGES)
-    else:
-        root, = gl.warp_specialize([
-            (_consumer, (x_smem, w0_smem, ready, empty, slots, PER, STAGES, STEPS, BLOCK_X, BLOCK_W)),
-            (_producer, (x_desc, w_desc, x_smem, w0_smem, w0_smem, ready, empty, pid_w, pid_x, sub * PER, slots, K_PAD,
-                         PER, STAGES, STEPS, CONSUMERS)),
-        ], [1], [PRODUCER_REGISTERS])
-        invalidate_ring(ready, empty, STAGES)
-        _finish(root, out_ptr, ws_ptr, ticket_ptr, M, N, stride_o, pid_w, pid_x, sub, 0, CONSUMERS, SPLIT)
-
-
-@gluon.constexpr_function
-def held_bytes(consumers, rows, per):
-    """Shared bytes of the pending pairs and quads (_join's `held`): two consumers of 128 rows of x
-    (each accumulator 64 registers a thread: the two alternating and h1 fill the consumers' 232)
-    whose subtree has pairs (more than 2 chunks); none otherwise."""
-    if consumers != 2 or rows <= 64 or per <= 2:
-        return 0
-    return 2 * (2 if per > 4 else 1) * 64 * rows * 4
 
 
 def swap_ws_fits(k_chunk: int, cfg: GemmConfig, dtype: torch.dtype) -> bool:
@@ -239,7 +154,7 @@ def gemm_swap_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: 
     """out [M, N] = x [M, K] @ weight [N, K]^T, both row-major with 16-byte aligned rows (16-bit).
     With chunks > 1 (the row-parallel tree, splitk.row_tree): K is `chunks` chunks of `chunk` columns
     starting every `padded` columns, summed in the canonical tree by `split` programs a tile (split > 1:
-    ws [split, M, N] fp32 and zeroed tickets, one for each consumer's rows of a tile)."""
+    ws [split, M, N] fp32 and zeroed tickets, one a tile)."""
     if not (cfg.gluon and cfg.swap_ab):  # (GemmConfig holds such a tile to 64 or 128 weight rows)
         raise ValueError(f"{cfg}: the swapped Gluon kernel takes gluon=True and swap_ab=True")
     chunk = chunk or x.shape[1]
@@ -252,14 +167,11 @@ def gemm_swap_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: 
     m, n = out.shape
     bk = block_k(x.dtype)
     rows = tile_rows(m, cfg)
-    held = held_bytes(cfg.consumers, rows, chunks // split)
-    shared = cfg.num_stages * cfg.steps_per_stage * (rows + cfg.block_n) * bk * x.element_size() + held
+    shared = cfg.num_stages * cfg.steps_per_stage * (rows + cfg.block_n) * bk * x.element_size()
     if shared > SHARED_BYTES:
         raise ValueError(f"{cfg}: {cfg.num_stages} stages of {cfg.steps_per_stage} K steps of {rows} x rows and "
-                         f"{cfg.block_n} weight rows (and {held} bytes of pending subtrees) take {shared} bytes of "
-                         f"shared memory, more than {SHARED_BYTES}")
+                         f"{cfg.block_n} weight rows take {shared} bytes of shared memory, more than {SHARED_BYTES}")
     _gemm_swap_ws_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, rows), split)](
-        gluon_descriptor(x, [rows, bk]), gluon_descriptor(weight, [cfg.block_n // cfg.consumers, bk]), out,
+        gluon_descriptor(x, [rows, bk]), gluon_descriptor(weight, [cfg.block_n, bk]), out,
         out if ws is None else ws, out if tickets is None else tickets, m, n, chunk, padded or chunk, out.stride(0),
-        CHUNKS=chunks, SPLIT=split, STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage, CONSUMERS=cfg.consumers,
-        num_warps=cfg.num_warps)
+        CHUNKS=chunks, SPLIT=split, STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage, num_warps=cfg.num_warps)
