@@ -60,8 +60,6 @@
 #   probe_merge benchmarks/probe_merge.py (the split decode's merge alone, a state at a time and in two passes)
 #   probe_prefill benchmarks/probe_prefill.py $PROBE_ARGS (the Gluon forward with its softmax, row sums or rescale
 #               left out, and without chunk merges, each timed against the whole: where prefill's time goes)
-#   probe_pdl   benchmarks/probe_pdl.py $PROBE_ARGS (programmatic dependent launch on and off against the baselines:
-#               decode attention at small batches, decode-sized GEMMs; bits checked)
 #   probe_partial benchmarks/probe_partial_tiles.py $PROBE_ARGS (each projection at M = 80-128 rows as is, and padded
 #               to the decode buckets' full 128-row tile with the copy timed in: whether part-full tiles cost)
 #   sweep_gemm_column benchmarks/sweep_gemm.py --column $COLUMN_ARGS (tiles up to 256 rows, swapped ones too, on qkv and
@@ -184,8 +182,6 @@ for stage in "$@"; do
                > "$OUT/probe_partial.log" 2>&1; tail -24 "$OUT/probe_partial.log" ;;
     probe_prefill) link_lockstep; timeout 240 python3 benchmarks/probe_prefill.py ${PROBE_ARGS:-} \
                > "$OUT/probe_prefill.log" 2>&1; tail -20 "$OUT/probe_prefill.log" ;;
-    probe_pdl) link_lockstep; timeout 300 python3 benchmarks/probe_pdl.py ${PROBE_ARGS:-} > "$OUT/probe_pdl.log" 2>&1
-             tail -24 "$OUT/probe_pdl.log" ;;
     logp)    link_lockstep; timeout 300 python3 benchmarks/bench_logp.py > "$OUT/logp.log" 2>&1; tail -30 "$OUT/logp.log" ;;
     kernels) link_lockstep; timeout 330 python3 benchmarks/kernels.py "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; tail -80 "$OUT/kernels.log" ;;
     matmul)  link_lockstep; timeout 200 python3 benchmarks/bench_matmul.py > "$OUT/matmul.log" 2>&1; tail -60 "$OUT/matmul.log" ;;

@@ -66,7 +66,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
-from lockstep.kernels._triton._pdl import enter, pdl
 from lockstep.kernels._triton._tickets import zeroed_tickets
 from lockstep.kernels._triton._tma import install_descriptor_allocator
 from lockstep.kernels._triton.splitk_ws import gluon_descriptor, invalidate_ring, ring_barriers
@@ -661,7 +660,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          MERGE_ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                          WALKS: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
                          FROM_LENS: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr,
-                         FLAT_STAGES: tl.constexpr, ONE_CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+                         FLAT_STAGES: tl.constexpr, ONE_CHUNK: tl.constexpr):
     """Single-query sequences, each (sequence, kv head) pair's rows the group's query heads. A grid
     with splits is 1-D: programs 0 .. n_walks - 1 walk pairs 0 .. n_walks - 1 whole, and each later
     pair is split across per_split programs (P); a grid of walks only is (1, kv heads, sequences). A
@@ -677,8 +676,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     table_width: the page table's entries a row (a split program loads its first chunk's entries
     before the sequence's bounds, masked by the table's width). ONE_CHUNK: no sequence has more
     chunks than its pair has programs (the launcher's bound, the cache's longest sequence), so the
-    kernel holds no path for a program's second chunk. PDL: launched with it (_pdl.py)."""
-    enter(PDL)
+    kernel holds no path for a program's second chunk."""
     if SPLITS:
         pid = tl.program_id(0)
         n_kv = n_heads // GROUP
@@ -1786,15 +1784,13 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     # walks alone keep a (1, kv heads, sequences) grid: on the 1-D one the deep walk ran 4-5% slower in
     # an A/B (the twenty-fourth session; the same loop by ptxas), for no reason found
     grid = (walks + split * per_split, 1, 1) if split else (1, keys.n_heads, n_seqs)
-    on_pdl = pdl(q.device)
     _decode_chunk_kernel[grid](
         q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, *_query_args(queries),
         *_page_args(keys), q.shape[1], qk_scale, n_chunks, walks, per_split, keys.table.shape[1], GROUP=group,
         ROWS=decode_rows(group, d), MERGE_ROWS=triton.next_power_of_2(group), D=d, KV_BLOCK=KV_BLOCK,
         KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"], FROM_LENS=queries.from_lens,
         SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size), FLAT_STAGES=flat_stages,
-        ONE_CHUNK=bool(split and n_chunks <= per_split), PDL=on_pdl, num_warps=cfg["num_warps"], num_stages=stages,
-        launch_pdl=on_pdl)
+        ONE_CHUNK=bool(split and n_chunks <= per_split), num_warps=cfg["num_warps"], num_stages=stages)
 
 
 def decode_page_shift(page_size: int) -> int:

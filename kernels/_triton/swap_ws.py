@@ -34,7 +34,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 
 from lockstep.kernels._triton._order import tree_join, tree_root
-from lockstep.kernels._triton._pdl import gl_enter, pdl
 from lockstep.kernels._triton.matmul_configs import GemmConfig, block_k, tile_rows
 from lockstep.kernels._triton.splitk_ws import (PRODUCER_REGISTERS, SHARED_BYTES, continue_chunk, gluon_descriptor,
                                                 invalidate_ring, open_chunk, ring_barriers)
@@ -101,12 +100,10 @@ def _consumer(x_smem, w_smem, ready, empty, slots, PER: gl.constexpr, STAGES: gl
 
 @gluon.jit(do_not_specialize=["M"])  # one binary for every batch size, as the tl kernels
 def _gemm_swap_ws_kernel(x_desc, w_desc, out_ptr, ws_ptr, ticket_ptr, M, N, K_CHUNK, K_PAD, stride_o,
-                         CHUNKS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, STEPS: gl.constexpr,
-                         PDL: gl.constexpr = False):
+                         CHUNKS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, STEPS: gl.constexpr):
     """Program (w tile, x tile, s): subtree s of the tile, chunks s * PER .. (s + 1) * PER - 1 of
     K_CHUNK columns each (starting every K_PAD columns). CHUNKS = SPLIT = 1: `linear`'s product over
-    K = K_CHUNK (ws_ptr and ticket_ptr unused). PDL: launched with it (_pdl.py)."""
-    gl_enter(PDL)
+    K = K_CHUNK (ws_ptr and ticket_ptr unused)."""
     BLOCK_X: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
@@ -174,9 +171,7 @@ def gemm_swap_ws(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: 
     if shared > SHARED_BYTES:
         raise ValueError(f"{cfg}: {cfg.num_stages} stages of {cfg.steps_per_stage} K steps of {rows} x rows and "
                          f"{cfg.block_n} weight rows take {shared} bytes of shared memory, more than {SHARED_BYTES}")
-    on_pdl = pdl(x.device)
     _gemm_swap_ws_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, rows), split)](
         gluon_descriptor(x, [rows, bk]), gluon_descriptor(weight, [cfg.block_n, bk]), out,
         out if ws is None else ws, out if tickets is None else tickets, m, n, chunk, padded or chunk, out.stride(0),
-        CHUNKS=chunks, SPLIT=split, STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage, PDL=on_pdl,
-        num_warps=cfg.num_warps, launch_pdl=on_pdl)
+        CHUNKS=chunks, SPLIT=split, STAGES=cfg.num_stages, STEPS=cfg.steps_per_stage, num_warps=cfg.num_warps)
