@@ -187,7 +187,7 @@ TUNING = {
     # 20 0.996-1.007 (61%), 22-23 0.976-1.001 (67-70%)
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
                    WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2, FLAT_STAGES=5,
-                   WALK_FILL=0.72, L2_PREFETCH=True),
+                   WALK_FILL=0.72),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
@@ -440,31 +440,6 @@ def _chunk_pages(page_row, start, last_key, KV_CHUNK: tl.constexpr, PAGE_SHIFT: 
 
 
 @triton.jit
-def _l2_prefetch(ptrs):
-    """Asks L2 for the 128-byte line at each of ptrs (PTX prefetch.global.L2): no value, no wait, no
-    bit moved. Compiled code only (the interpreter runs no PTX)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_chunk(k, v, page_row, start, hi, page_size, stride_page, stride_slot, KV_CHUNK: tl.constexpr,
-                    D: tl.constexpr, PAGE_SHIFT: tl.constexpr, pages=None):
-    """L2 prefetches of the K and V rows of the chunk of keys from `start` up to `hi` (TUNING's
-    L2_PREFETCH): issued at a program's start, so that the blocks its ring loads later come from L2
-    rather than from memory. A key past hi asks for the chunk's first row again."""
-    pos = start + tl.arange(0, KV_CHUNK)
-    seen = pos <= hi
-    offsets = tl.where(seen, _kv_offsets(page_row, pos, page_size, stride_page, stride_slot, seen, PAGE_SHIFT,
-                                         pages, start), 0)
-    LINE: tl.constexpr = 128 // (k.dtype.element_ty.primitive_bitwidth // 8)  # elements a 128-byte line
-    LINES: tl.constexpr = max(1, D // LINE)
-    lines = offsets[:, None] + tl.arange(0, LINES)[None, :] * LINE
-    _l2_prefetch(k + lines)
-    _l2_prefetch(v + lines)
-
-
-@triton.jit
 def _chunk_state(q, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
                  ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                  SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr, pages=None):
@@ -685,7 +660,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          MERGE_ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                          WALKS: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
                          FROM_LENS: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr,
-                         FLAT_STAGES: tl.constexpr, ONE_CHUNK: tl.constexpr, L2_PREFETCH: tl.constexpr = False):
+                         FLAT_STAGES: tl.constexpr, ONE_CHUNK: tl.constexpr):
     """Single-query sequences, each (sequence, kv head) pair's rows the group's query heads. A grid
     with splits is 1-D: programs 0 .. n_walks - 1 walk pairs 0 .. n_walks - 1 whole, and each later
     pair is split across per_split programs (P); a grid of walks only is (1, kv heads, sequences). A
@@ -768,9 +743,6 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                           stride_slot, qk_scale, part_m, part_l, part_acc, first, keep, GROUP, ROWS, D, KV_BLOCK,
                           KV_CHUNK, SWAP, PAGE_SHIFT, FLAT_STAGES)
         else:
-            if L2_PREFETCH and ONE_CHUNK:
-                _prefetch_chunk(k, v, page_row, p * KV_CHUNK, hi, page_size, stride_page, stride_slot, KV_CHUNK, D,
-                                PAGE_SHIFT, first_pages)
             m, l, acc = _chunk_state(q_tile, pos, hi, p, k, v, page_row, page_size, stride_page, stride_slot,
                                      qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT, first_pages)
             _store_chunk_state(part_m, part_l, part_acc, first + p * GROUP, keep, m, l, acc, D, SWAP)
@@ -1818,8 +1790,7 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
         ROWS=decode_rows(group, d), MERGE_ROWS=triton.next_power_of_2(group), D=d, KV_BLOCK=KV_BLOCK,
         KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"], FROM_LENS=queries.from_lens,
         SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size), FLAT_STAGES=flat_stages,
-        ONE_CHUNK=bool(split and n_chunks <= per_split), L2_PREFETCH=cfg["L2_PREFETCH"] and not INTERPRETING,
-        num_warps=cfg["num_warps"], num_stages=stages)
+        ONE_CHUNK=bool(split and n_chunks <= per_split), num_warps=cfg["num_warps"], num_stages=stages)
 
 
 def decode_page_shift(page_size: int) -> int:
