@@ -98,8 +98,9 @@ def measure(fn, warmup: int = 5, iters: int = 20) -> Measure:
 
 
 def graph_of(fn, calls: int) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of `calls` back-to-back fn() calls; warm-up (compilation, library handles) runs
-    off the capture stream first."""
+    """A CUDA graph of `calls` back-to-back fn() calls; warm-up (compilation, library handles, the
+    split kernels' ticket counters: kernels/_triton/_tickets.py) runs eagerly on the capture stream
+    first, off the current one."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -107,7 +108,7 @@ def graph_of(fn, calls: int) -> torch.cuda.CUDAGraph:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         for _ in range(calls):
             fn()
     return graph

@@ -5,7 +5,7 @@
 One Qwen3-8B decoder layer's ops at a decode step (batch B, every request at --context keys),
    lockstep (Triton) next to the stock op a user would otherwise run (cuBLAS through F.linear, torch's
    default SDPA choice on a contiguous cache with enable_gqa, torch RMSNorm/SiLU), each timed
-   with CUDA-graph replay (triton.testing.do_bench_cudagraph); the layer total x 36 layers plus
+   with CUDA-graph replay (_harness.graph_ms_per_call); the layer total x 36 layers plus
    the LM head's logprob estimates the step.
 (The row-parallel GEMM against cuBLAS at every M is a table of bench_matmul, in kernels.py.)
 """
@@ -15,16 +15,15 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench_cudagraph
 
 import lockstep.kernels as K
-from _harness import emit
+from _harness import emit, graph_ms_per_call
 
 H, NH, NKV, D, I, V, LAYERS = 4096, 32, 8, 128, 12288, 151936, 36
 
 
 def bench(fn) -> float:
-    return do_bench_cudagraph(fn, rep=50) * 1e3  # us
+    return graph_ms_per_call(fn) * 1e3  # us
 
 
 def decode_layer(b: int, ctx: int) -> list[tuple[str, float, float]]:

@@ -731,6 +731,40 @@ def test_gpu_row_parallel_linear_row_invariant_qwen3_8b(k):
 
 
 @pytest.mark.gpu
+def test_gpu_ticket_counters_first_made_inside_a_capture_hold_in_every_graph():
+    """Counters first made while a graph is captured are zeroed only by that graph's node: a second
+    graph captured on the stream and replayed first, over memory holding anything, still merges
+    (each captured launch zeroes them), and an eager call on the stream then zeroes them for good."""
+    from lockstep.kernels._triton import _tickets
+
+    x = torch.randn(128, 4096, device="cuda", dtype=BF16)
+    w = (torch.randn(4096, 4096, device="cuda") / 64).to(BF16)
+    eager = K.row_parallel_linear(x, w)
+    stream, first, second = torch.cuda.Stream(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    key = (x.device, stream.cuda_stream)
+    _tickets._BUFFERS.pop(key, None)  # the pool's stream may have served an earlier test
+    _tickets._ZEROED_IN_GRAPH.discard(key)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(first, stream=stream):
+        out_first = K.row_parallel_linear(x, w)
+    with torch.cuda.graph(second, stream=stream):
+        out_second = K.row_parallel_linear(x, w)
+    assert key in _tickets._ZEROED_IN_GRAPH, "row_parallel_linear at 128 x 4096 took no tickets"
+    tickets = _tickets._BUFFERS[key]
+    tickets.fill_(1 << 20)  # what the first graph's memory may hold before its memset ever ran
+    second.replay()
+    assert torch.equal(out_second, eager), "a graph replayed before the one that made its counters"
+    first.replay()
+    assert torch.equal(out_first, eager)
+    tickets.fill_(1 << 20)
+    with torch.cuda.stream(stream):
+        again = K.row_parallel_linear(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert torch.equal(again, eager) and key not in _tickets._ZEROED_IN_GRAPH
+    assert not tickets.any(), "an eager launch left a counter it took a ticket from off zero"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("k", [4096, 12288], ids=["o_proj", "down_proj"])
 def test_gpu_gluon_row_tree_schedules_give_the_tl_bits(k):
     """The row tree's Gluon schedules give the tl kernel's bits on the same tiles: the swapped
