@@ -730,6 +730,26 @@ def test_gpu_row_parallel_linear_row_invariant_qwen3_8b(k):
             assert torch.equal(captured, eager)
 
 
+def test_ticket_counters_made_inside_a_capture_are_zeroed_until_an_eager_call(monkeypatch):
+    """_tickets' bookkeeping (the GPU test below replays the graphs): counters made while a capture
+    runs are zeroed before each later captured launch, then once by the first eager launch, then
+    never again (a kernel leaves its counters at zero)."""
+    from lockstep.kernels._triton import _tickets
+
+    dev = torch.device("cpu")
+    monkeypatch.setattr(_tickets, "_BUFFERS", {})
+    monkeypatch.setattr(_tickets, "_ZEROED_IN_GRAPH", set())
+    monkeypatch.setattr(_tickets, "_capturing", lambda device: True)  # as under torch.cuda.graph
+    made = _tickets.zeroed_tickets(dev, 8)
+    made.fill_(5)  # what the memory holds before the making graph's memset node ever runs
+    assert _tickets.zeroed_tickets(dev, 8) is made and not made[:8].any(), "a later captured launch counted from 5"
+    made.fill_(5)
+    monkeypatch.setattr(_tickets, "_capturing", lambda device: False)
+    assert not _tickets.zeroed_tickets(dev, 8).any(), "the first eager launch counted from 5"
+    made.fill_(5)
+    assert _tickets.zeroed_tickets(dev, 8)[0] == 5, "an eager launch after that paid for a memset"
+
+
 @pytest.mark.gpu
 def test_gpu_ticket_counters_first_made_inside_a_capture_hold_in_every_graph():
     """Counters first made while a graph is captured are zeroed only by that graph's node: a second

@@ -38,13 +38,13 @@ def zeroed_tickets(device: torch.device, n: int) -> torch.Tensor:
     """At least n int32 counters on `device`, each zero, for a launch on the current stream whose
     kernel leaves every counter it takes a ticket from at zero again."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key, capturing = (device, stream), _capturing(device)
+    key = (device, stream)
     buf = _BUFFERS.get(key)
     if buf is None or buf.numel() < n:
         if buf is not None:
             _OUTGROWN.append(buf)
         buf = _BUFFERS[key] = torch.zeros(max(n, _MIN_TICKETS), dtype=torch.int32, device=device)
-        if capturing:
+        if _capturing(device):
             if key not in _ZEROED_IN_GRAPH:
                 log.warning("lockstep split kernels: their ticket counters for stream %#x were first made inside a "
                             "CUDA-graph capture; every launch captured on that stream now zeroes them (a memset node "
@@ -54,8 +54,8 @@ def zeroed_tickets(device: torch.device, n: int) -> torch.Tensor:
         else:
             _ZEROED_IN_GRAPH.discard(key)
         return buf
-    if key in _ZEROED_IN_GRAPH:
-        if capturing:
+    if key in _ZEROED_IN_GRAPH:  # (the usual launch asks nothing more of the host than the lookups above)
+        if _capturing(device):
             buf[:n].zero_()  # a node of this graph: its launch counts from zero whichever graph replays first
         else:
             buf.zero_()  # in stream order: every later launch on the stream finds zeros
