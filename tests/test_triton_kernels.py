@@ -756,20 +756,22 @@ def test_gpu_ticket_counters_first_made_inside_a_capture_hold_in_every_graph():
     graph captured on the stream and replayed first, over memory holding anything, still merges
     (each captured launch zeroes them), and an eager call on the stream then zeroes them for good."""
     from lockstep.kernels._triton import _tickets
+    from lockstep.kernels._triton.splitk import row_tree
 
-    x = torch.randn(128, 4096, device="cuda", dtype=BF16)
+    x = torch.randn(8, 4096, device="cuda", dtype=BF16)
     w = (torch.randn(4096, 4096, device="cuda") / 64).to(BF16)
-    eager = K.row_parallel_linear(x, w)
+    tree = lambda: row_tree(x, w, 512, BF16, split=4)  # noqa: E731  the decode bucket, 4 subtrees a tile
+    eager = tree()
     stream, first, second = torch.cuda.Stream(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     key = (x.device, stream.cuda_stream)
     _tickets._BUFFERS.pop(key, None)  # the pool's stream may have served an earlier test
     _tickets._ZEROED_IN_GRAPH.discard(key)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.graph(first, stream=stream):
-        out_first = K.row_parallel_linear(x, w)
+        out_first = tree()
     with torch.cuda.graph(second, stream=stream):
-        out_second = K.row_parallel_linear(x, w)
-    assert key in _tickets._ZEROED_IN_GRAPH, "row_parallel_linear at 128 x 4096 took no tickets"
+        out_second = tree()
+    assert key in _tickets._ZEROED_IN_GRAPH, "the split tree took no tickets"
     tickets = _tickets._BUFFERS[key]
     tickets.fill_(1 << 20)  # what the first graph's memory may hold before its memset ever ran
     second.replay()
@@ -778,7 +780,7 @@ def test_gpu_ticket_counters_first_made_inside_a_capture_hold_in_every_graph():
     assert torch.equal(out_first, eager)
     tickets.fill_(1 << 20)
     with torch.cuda.stream(stream):
-        again = K.row_parallel_linear(x, w)
+        again = tree()
     torch.cuda.current_stream().wait_stream(stream)
     assert torch.equal(again, eager) and key not in _tickets._ZEROED_IN_GRAPH
     assert not tickets.any(), "an eager launch left a counter it took a ticket from off zero"
