@@ -12,10 +12,10 @@ not freed: a captured graph may still address it.
 A buffer first made while a CUDA graph is being captured on its stream is zeroed only by a node of
 that graph: until that graph replays, its counters hold whatever the memory held, and a launch
 outside it (another graph captured later on the stream and replayed first, or an eager call) would
-count from garbage and never merge. So such a buffer is zeroed again before each launch captured on
-that stream (a memset node per launch, warned once), until an eager call on the stream zeroes it in
-stream order. One eager call on the capture stream before capturing (vLLM's warm-up makes one) keeps
-the graphs free of memsets."""
+count from garbage: its merge would never run, or run before every partial was stored. So such a
+buffer is zeroed again before each launch captured on that stream (a memset node per launch, warned
+once), until an eager call on the stream zeroes it in stream order. One eager call on the capture
+stream before capturing (vLLM's warm-up makes one) keeps the graphs free of memsets."""
 from __future__ import annotations
 
 import logging
