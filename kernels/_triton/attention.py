@@ -187,7 +187,7 @@ TUNING = {
     # 20 0.996-1.007 (61%), 22-23 0.976-1.001 (67-70%)
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
                    WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2, FLAT_STAGES=5,
-                   WALK_FILL=0.72, L2_HELPERS=2),
+                   WALK_FILL=0.72),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
@@ -440,28 +440,6 @@ def _chunk_pages(page_row, start, last_key, KV_CHUNK: tl.constexpr, PAGE_SHIFT: 
 
 
 @triton.jit
-def _l2_prefetch(ptrs):
-    """Asks L2 for the 128-byte line at each of ptrs (PTX prefetch.global.L2): no value, no wait."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _help_block(k, v, page_row, start, table_width, page_size, stride_page, stride_slot, KV_BLOCK: tl.constexpr,
-                D: tl.constexpr, PAGE_SHIFT: tl.constexpr):
-    """A helper program's L2 prefetches of the K and V rows of the block of keys from `start`, up to
-    the table's last key (no bound loaded: one round trip, the page entries, before the prefetches)."""
-    keys = start + tl.arange(0, KV_BLOCK)
-    seen = keys <= (tl.cast(table_width, tl.int64) << PAGE_SHIFT) - 1
-    offsets = tl.where(seen, _kv_offsets(page_row, keys, page_size, stride_page, stride_slot, seen, PAGE_SHIFT), 0)
-    LINE: tl.constexpr = 128 // (k.dtype.element_ty.primitive_bitwidth // 8)
-    LINES: tl.constexpr = max(1, D // LINE)
-    lines = offsets[:, None] + tl.arange(0, LINES)[None, :] * LINE
-    _l2_prefetch(k + lines)
-    _l2_prefetch(v + lines)
-
-
-@triton.jit
 def _chunk_state(q, pos, hi, chunk, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
                  ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                  SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr, pages=None):
@@ -682,8 +660,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          MERGE_ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                          WALKS: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
                          FROM_LENS: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr,
-                         FLAT_STAGES: tl.constexpr, ONE_CHUNK: tl.constexpr, n_work=0, HELP: tl.constexpr = 0,
-                         HELP_FROM: tl.constexpr = 0):
+                         FLAT_STAGES: tl.constexpr, ONE_CHUNK: tl.constexpr):
     """Single-query sequences, each (sequence, kv head) pair's rows the group's query heads. A grid
     with splits is 1-D: programs 0 .. n_walks - 1 walk pairs 0 .. n_walks - 1 whole, and each later
     pair is split across per_split programs (P); a grid of walks only is (1, kv heads, sequences). A
@@ -703,16 +680,6 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     if SPLITS:
         pid = tl.program_id(0)
         n_kv = n_heads // GROUP
-        if HELP > 0:  # helper programs after the work: L2 prefetches of a one-chunk program's later blocks
-            if pid >= n_work:
-                h = pid - n_work
-                w = h // HELP
-                pair_h = w // per_split
-                _help_block(k + (pair_h % n_kv) * stride_head, v + (pair_h % n_kv) * stride_head,
-                            page_table + (pair_h // n_kv) * stride_table,
-                            (w % per_split) * KV_CHUNK + (HELP_FROM + h % HELP) * KV_BLOCK, table_width, page_size,
-                            stride_page, stride_slot, KV_BLOCK, D, PAGE_SHIFT)
-                return
         walking = pid < n_walks
         split_pid = tl.maximum(pid - n_walks, 0)
         pair = tl.where(walking, pid, n_walks + split_pid // per_split)
@@ -1816,22 +1783,14 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     tickets = zeroed_tickets(q.device, max(split, 1))
     # walks alone keep a (1, kv heads, sequences) grid: on the 1-D one the deep walk ran 4-5% slower in
     # an A/B (the twenty-fourth session; the same loop by ptxas), for no reason found
-    one_chunk = bool(split and n_chunks <= per_split)
-    n_work = walks + split * per_split
-    # L2_HELPERS (unmeasured): where a one-chunk grid leaves SMs idle, that many helper programs per
-    # work program ask L2 for its chunk's last blocks, which the work program's ring loads last
-    helpers = cfg["L2_HELPERS"]
-    help_ = helpers if (one_chunk and walks == 0 and decode_page_shift(keys.page_size) >= 0 and not INTERPRETING
-                        and n_work * (1 + helpers) <= resident_programs(q.device)) else 0
-    grid = (n_work * (1 + help_), 1, 1) if split else (1, keys.n_heads, n_seqs)
+    grid = (walks + split * per_split, 1, 1) if split else (1, keys.n_heads, n_seqs)
     _decode_chunk_kernel[grid](
         q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, *_query_args(queries),
         *_page_args(keys), q.shape[1], qk_scale, n_chunks, walks, per_split, keys.table.shape[1], GROUP=group,
         ROWS=decode_rows(group, d), MERGE_ROWS=triton.next_power_of_2(group), D=d, KV_BLOCK=KV_BLOCK,
         KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"], FROM_LENS=queries.from_lens,
         SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size), FLAT_STAGES=flat_stages,
-        ONE_CHUNK=one_chunk, n_work=n_work, HELP=help_, HELP_FROM=KV_CHUNK // KV_BLOCK - help_,
-        num_warps=cfg["num_warps"], num_stages=stages)
+        ONE_CHUNK=bool(split and n_chunks <= per_split), num_warps=cfg["num_warps"], num_stages=stages)
 
 
 def decode_page_shift(page_size: int) -> int:
