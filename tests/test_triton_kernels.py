@@ -377,7 +377,7 @@ import torch
 from lockstep.kernels._triton import splitk as S, splitk_ws as W, swap_ws as SW
 from lockstep.kernels._triton.matmul_configs import CONFIGS_16BIT, ROW_CONFIGS_16BIT, WIDTH_CONFIGS_16BIT
 
-out = []
+out, odd = [], "not probed"
 # linear: one chunk (its swapped Gluon configs run swap_ws.py: _GEMM_PROBE)
 gluon_linear = [(cfg, (1,)) for *_, cfg in WIDTH_CONFIGS_16BIT + CONFIGS_16BIT if cfg.gluon and not cfg.swap_ab]
 linear_cfgs = [cfg for cfg, _ in gluon_linear]
@@ -415,6 +415,15 @@ for cfg, chunk_counts in [(cfg, (8, 4, 2, 1)) for _, cfg in ROW_CONFIGS_16BIT] +
                              count=("wgmma.wait_group",))
             out.append(dict(r, tile=[cfg.block_m, cfg.block_n], split=1, chunks=chunks, gluon=True, tma=tma,
                             siblings=cfg.siblings and chunks > 1))
+            if cfg.siblings and chunks == 1:  # the sibling schedule asked for at an odd chunk count
+                try:
+                    compile_sm90(W._row_tree_ws_kernel, lambda n: descs.get(n, "i32"), dict(ce, SIBLINGS=True),
+                                 cfg.num_warps, 1)
+                    odd = "compiled"
+                except Exception as e:  # noqa: BLE001  the compiler's error and its causes, for the test
+                    odd, cause = "", e
+                    while cause is not None:
+                        odd, cause = odd + str(cause) + "\n", cause.__cause__ or cause.__context__
         continue
     descs = {"x_desc": f"tensordesc<bf16[{cfg.block_m}, 64]>", "w_desc": f"tensordesc<bf16[{cfg.block_n}, 64]>",
              "out_ptr": "*bf16", "ws_ptr": "*fp32", "ticket_ptr": "*i32"}
@@ -425,7 +434,7 @@ for cfg, chunk_counts in [(cfg, (8, 4, 2, 1)) for _, cfg in ROW_CONFIGS_16BIT] +
             descs["x_desc"] = f"tensordesc<bf16[{rows}, 64]>"
             r = compile_sm90(S._row_tree_kernel, lambda n: descs.get(n, "i32"), ce, cfg.num_warps, cfg.num_stages)
             out.append(dict(r, tile=[rows, cfg.block_n], split=split))
-print(json.dumps(out))
+print(json.dumps(dict(results=out, odd=odd)))
 """
 
 
@@ -440,7 +449,9 @@ def test_row_tree_compiles_to_wgmma():
     one chunk) is warp-specialised, wgmma, and fits its registers and shared memory."""
     from sm90 import probe
 
-    results = probe(_ROW_TREE_PROBE)
+    probed = probe(_ROW_TREE_PROBE)
+    results = probed["results"]
+    assert "chunks in pairs" in probed["odd"], f"the sibling schedule at one chunk: {probed['odd'][-500:]}"
     for r in results:
         assert {version for version, _ in r["mma"]} == {"3"} and r["warp_specialized"] == bool(r.get("gluon")), r
     assert all(r["spill_bytes"] == 0 for r in results if r["split"] == 2 and not r.get("gluon")), results

@@ -240,6 +240,8 @@ def _consumer(x_smem, w_smem, wt_smem, ready, empty, quad_smem, quadt_smem, out_
         h1_t = gl.zeros([ROWS, TAIL], gl.float32, mma_t)
         h2_t = gl.zeros([ROWS, TAIL], gl.float32, mma_t)
     if ALTERNATE or SIBLINGS:  # a second accumulator (GemmConfig.accumulators = 2 or siblings; CHUNKS even, TAIL 0)
+        gl.static_assert(CHUNKS % 2 == 0 and TAIL == 0, "the two-accumulator schedules take chunks in pairs and "
+                         "a power-of-two block_n: row_tree_ws passes ALTERNATE / SIBLINGS only at 2, 4 or 8 chunks")
         other = gl.zeros([ROWS, HEAD], gl.float32, mma)
     t = 0
     for local in range(my_tiles):
