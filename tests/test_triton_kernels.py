@@ -446,7 +446,8 @@ def test_row_tree_compiles_to_wgmma():
     spill a little, and were still the fastest measured (benchmarks/sweep_rowtree.py). Every tile of
     the table, the swapped decode tile (weight rows as the M side, 16 or 64 rows of x) included; the
     many-tile buckets' Gluon kernel at every TP size's chunk count (and `linear`'s Gluon buckets,
-    one chunk) is warp-specialised, wgmma, and fits its registers and shared memory."""
+    one chunk) is warp-specialised, wgmma, and fits its registers and shared memory; asked for the
+    sibling schedule at one chunk, it refuses to compile."""
     from sm90 import probe
 
     probed = probe(_ROW_TREE_PROBE)
