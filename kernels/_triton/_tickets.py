@@ -54,7 +54,7 @@ def zeroed_tickets(device: torch.device, n: int) -> torch.Tensor:
         else:
             _ZEROED_IN_GRAPH.discard(key)
         return buf
-    if key in _ZEROED_IN_GRAPH:  # (the usual launch asks nothing more of the host than the lookups above)
+    if _ZEROED_IN_GRAPH and key in _ZEROED_IN_GRAPH:  # (usually empty: the launch asks nothing more of the host)
         if _capturing(device):
             buf[:n].zero_()  # a node of this graph: its launch counts from zero whichever graph replays first
         else:
