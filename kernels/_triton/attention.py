@@ -654,17 +654,17 @@ def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_ne
     # (0.99-1.03x this merge's time at batch 1-8 x 8k-32k), and a polled merge without a ticket (the
     # pair's first programs reloading the states until none holds an unwritten NaN; 1.07-1.44x)
     states = _load_chunk_states(part_m, part_l, part_acc, first_g, 0, n_need, GROUP, D)
+    soon = _load_chunk_states(part_m, part_l, part_acc, first_g, _MERGE_AHEAD, n_need, GROUP, D)
     for c_step in range(0, n_need, _MERGE_AHEAD):
-        # the next step's states in flight during this step's merges (before, each step's loads went out
-        # after the previous step's merges: a round trip from L2 and then the merges, a step at a time;
-        # 164 / 136 / 152 registers for the deep flat / one-chunk / table's split kernels against 164 /
-        # 128 / 150, no spill, compiled for sm_90a; unmeasured)
-        later = _load_chunk_states(part_m, part_l, part_acc, first_g, c_step + _MERGE_AHEAD, n_need, GROUP, D)
+        # the next two steps' states in flight during this step's merges (168 registers in each of the
+        # four split kernels, no spill, compiled for sm_90a: three programs an SM still fit; unmeasured)
+        later = _load_chunk_states(part_m, part_l, part_acc, first_g, c_step + 2 * _MERGE_AHEAD, n_need, GROUP, D)
         for i in tl.static_range(_MERGE_AHEAD):
             here = c_step + i < n_need
             m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, states[3 * i], states[3 * i + 1], states[3 * i + 2], False)
             m_t, l_t, acc_t = tl.where(here, m_n, m_t), tl.where(here, l_n, l_t), tl.where(here, acc_n, acc_t)
-        states = later
+        states = soon
+        soon = later
     _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False)
 
 
