@@ -615,19 +615,6 @@ def _split_states(q, pos, hi, chunk0, stride, mine, k, v, page_row, page_size, s
 
 
 @triton.jit
-def _load_chunk_states(part_m, part_l, part_acc, first_g, c0, n_need, GROUP: tl.constexpr, D: tl.constexpr):
-    """(m, l, acc) of chunks c0 .. c0 + _MERGE_AHEAD - 1 of a split pair (its states from first_g),
-    flat in one tuple; a chunk past the last loads zeros, which its merge's select never keeps."""
-    states = ()
-    for i in tl.static_range(_MERGE_AHEAD):
-        at = first_g + (c0 + i) * GROUP
-        here = c0 + i < n_need
-        states = states + (tl.load(part_m + at, mask=here, other=0.0), tl.load(part_l + at, mask=here, other=0.0),
-                           tl.load(part_acc + _tile_offsets(at, D, False), mask=here, other=0.0))
-    return states
-
-
-@triton.jit
 def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
                         GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr):
     """The n_need chunk states of split pair `tail` merged in chunk order and its rows stored (by the
@@ -653,18 +640,16 @@ def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_ne
     # programs to take the ticket each merging a share of the columns, with 8 or 32 states a step
     # (0.99-1.03x this merge's time at batch 1-8 x 8k-32k), and a polled merge without a ticket (the
     # pair's first programs reloading the states until none holds an unwritten NaN; 1.07-1.44x)
-    states = _load_chunk_states(part_m, part_l, part_acc, first_g, 0, n_need, GROUP, D)
-    soon = _load_chunk_states(part_m, part_l, part_acc, first_g, _MERGE_AHEAD, n_need, GROUP, D)
     for c_step in range(0, n_need, _MERGE_AHEAD):
-        # the next two steps' states in flight during this step's merges (168 registers in each of the
-        # four split kernels, no spill, compiled for sm_90a: three programs an SM still fit; unmeasured)
-        later = _load_chunk_states(part_m, part_l, part_acc, first_g, c_step + 2 * _MERGE_AHEAD, n_need, GROUP, D)
         for i in tl.static_range(_MERGE_AHEAD):
-            here = c_step + i < n_need
-            m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, states[3 * i], states[3 * i + 1], states[3 * i + 2], False)
+            c = c_step + i
+            at = first_g + c * GROUP
+            here = c < n_need
+            acc_c = tl.load(part_acc + _tile_offsets(at, D, False), mask=here, other=0.0)
+            m_c = tl.load(part_m + at, mask=here, other=0.0)
+            l_c = tl.load(part_l + at, mask=here, other=0.0)
+            m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_c, l_c, acc_c, False)
             m_t, l_t, acc_t = tl.where(here, m_n, m_t), tl.where(here, l_n, l_t), tl.where(here, acc_n, acc_t)
-        states = soon
-        soon = later
     _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False)
 
 
