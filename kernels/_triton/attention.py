@@ -185,6 +185,10 @@ TUNING = {
     # 12 x 1k / 4k / 16k 0.955 / 0.983-0.991 / 1.019 (both 72.7% full); where the walks fill less it
     # lost or tied: batch 10 at 1k / 4k 1.036 / 1.115x (61%), 6-8 1.4-2.0x, 17-18 1.02-1.05x (52-55%),
     # 20 0.996-1.007 (61%), 22-23 0.976-1.001 (67-70%)
+    # Measured, not kept (H100, ab_decode.py, bits equal): a one-chunk split program asking L2 for its
+    # whole chunk before its ring's loads (the forty-fourth session: 1.06-1.25x the time at batch 1-8 x
+    # 1k-4k), and idle SMs' helper programs asking L2 for a chunk's last blocks (the forty-sixth:
+    # 1.002-1.012x at batch 1-2 x 512-1k)
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
                    WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2, FLAT_STAGES=5,
                    WALK_FILL=0.72),
@@ -640,6 +644,9 @@ def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_ne
     # programs to take the ticket each merging a share of the columns, with 8 or 32 states a step
     # (0.99-1.03x this merge's time at batch 1-8 x 8k-32k), and a polled merge without a ticket (the
     # pair's first programs reloading the states until none holds an unwritten NaN; 1.07-1.44x)
+    # Also not kept (the forty-sixth session, H100, ab_decode.py, bits equal): the next step's states
+    # loaded into registers while this step merges (a double buffer: 0.989-0.998x the kernel's time at
+    # batch 1-2 x 16k-32k, 1.03-1.05x at 1 x 1k-4k) and the next two steps' (1.015-1.027x).
     for c_step in range(0, n_need, _MERGE_AHEAD):
         for i in tl.static_range(_MERGE_AHEAD):
             c = c_step + i
