@@ -1,8 +1,15 @@
 """Where a small-batch decode step's time goes: a timeline of the split decode path's programs (CUDA only).
 
-    python benchmarks/probe_decode.py [BxC,...] [KEY=VALUE ...]
+    python benchmarks/probe_decode.py [BxC,...] [KEY=VALUE ...] [--merge-forms 0,1,2,3]
         # cases: default 1x1024,1x4096,1x16384,16x1024,16x4096,16x16384; KEY=VALUE: TUNING["decode"] for
         # both the table's kernel and the traced one (e.g. num_stages=4 PROGRAMS_PER_SM=1 SWAP=False)
+        # --merge-forms: a row per form of the merging program's loop (default 0, the table's):
+        #   0 the table's merge (_merge_chunk_states; bits checked against the table's kernel)
+        #   1 its loads alone: the same loads, _MERGE_AHEAD a step, summed (no exponentials, no selects)
+        #   2 its arithmetic alone: _merge and the selects on states made from the chunk's index (no load)
+        #   3 neither: states made from the index, summed (the loop's own cost)
+        # forms 1-3 are timing only (their outputs are not the attention's); the merge column and the
+        # traced kernel's time, against form 0's, say which part holds the merge's time.
 
 Decode below ~50 requests splits each (sequence, kv head)'s chunks over programs that store chunk
 states, the last of a pair's programs merging them (kernels/_triton/attention.py,
@@ -75,7 +82,8 @@ def _traced_split_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, t
                          page_table, stride_table, page_size, stride_page, stride_head, stride_slot, n_heads,
                          qk_scale, n_chunks, per_split, GROUP: tl.constexpr, ROWS: tl.constexpr,
                          MERGE_ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
-                         PAGE_SHIFT: tl.constexpr, SWAP: tl.constexpr, NULL: tl.constexpr):
+                         PAGE_SHIFT: tl.constexpr, SWAP: tl.constexpr, NULL: tl.constexpr,
+                         MERGE_FORM: tl.constexpr = 0):
     """_decode_chunk_kernel's split path (every pair split, FROM_LENS), stamped. NULL: read the
     sequence's length, store it, return (the launch floor)."""
     pid = tl.program_id(0)
@@ -122,13 +130,50 @@ def _traced_split_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, t
     _stamp(trace, 2 + MAX_BLOCKS_C, ticket.to(tl.float32))
     if ticket + mine == n_need:
         tl.atomic_xchg(tickets + pair, 0, sem="relaxed", scope="gpu")
-        A._merge_chunk_states(part_m, part_l, part_acc, out, lse, pair, n_chunks, n_need, begin, kv_head, n_heads,
-                              GROUP, MERGE_ROWS, D)
+        if MERGE_FORM == 0:
+            A._merge_chunk_states(part_m, part_l, part_acc, out, lse, pair, n_chunks, n_need, begin, kv_head,
+                                  n_heads, GROUP, MERGE_ROWS, D)
+        else:
+            _merge_form(part_m, part_l, part_acc, out, lse, pair, n_chunks, n_need, begin, kv_head, n_heads, GROUP,
+                        MERGE_ROWS, D, MERGE_FORM)
         _stamp(trace, 3 + MAX_BLOCKS_C, 0.0)
 
 
+@triton.jit
+def _merge_form(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
+                GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr, FORM: tl.constexpr):
+    """_merge_chunk_states' loop (the same rows, steps of _MERGE_AHEAD states, the same store) with its
+    body cut to one part (the module docstring's --merge-forms 1-3). Timing only."""
+    g = tl.arange(0, MERGE_ROWS)
+    tok_g, head_g = A._rows(g, begin, 1, kv_head, GROUP)
+    first_g = (tail * n_chunks).to(tl.int64) * GROUP + g % GROUP
+    m_t = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
+    l_t = tl.zeros((MERGE_ROWS,), tl.float32)
+    acc_t = tl.zeros((MERGE_ROWS, D), tl.float32)
+    cols = tl.arange(0, D).to(tl.float32)[None, :] * 1e-4
+    for c_step in range(0, n_need, A._MERGE_AHEAD):
+        for i in tl.static_range(A._MERGE_AHEAD):
+            c = c_step + i
+            here = c < n_need
+            if FORM == 1:
+                at = first_g + c * GROUP
+                acc_c = tl.load(part_acc + A._tile_offsets(at, D, False), mask=here, other=0.0)
+                m_c = tl.load(part_m + at, mask=here, other=0.0)
+                l_c = tl.load(part_l + at, mask=here, other=0.0)
+            else:  # states from the index: a new maximum every state, so no factor is exactly 1
+                m_c = g.to(tl.float32) * 0.1 + c.to(tl.float32) * 0.01
+                l_c = m_c + 1.0
+                acc_c = cols + c.to(tl.float32) * 1e-3
+            if FORM == 2:
+                m_n, l_n, acc_n = A._merge(m_t, l_t, acc_t, m_c, l_c, acc_c, False)
+                m_t, l_t, acc_t = tl.where(here, m_n, m_t), tl.where(here, l_n, l_t), tl.where(here, acc_n, acc_t)
+            else:
+                m_t, l_t, acc_t = tl.maximum(m_t, m_c), l_t + l_c, acc_t + acc_c
+    A._store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False)
 
-def _launch(args, trace: torch.Tensor, null: bool):
+
+
+def _launch(args, trace: torch.Tensor, null: bool, form: int = 0):
     queries, keys = A._paged_layout(*args[:-3], *args[-2:])
     q = queries.q
     n_seqs, d = queries.n_seqs, q.shape[2]
@@ -149,7 +194,7 @@ def _launch(args, trace: torch.Tensor, null: bool):
         *A._query_args(queries), *A._page_args(keys), q.shape[1], args[-3] * A._LOG2E, n_chunks, per_split,
         GROUP=group, ROWS=A.decode_rows(group, d), MERGE_ROWS=triton.next_power_of_2(group), D=d,
         KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, PAGE_SHIFT=A.decode_page_shift(keys.page_size),
-        SWAP=A.decode_swapped(d), NULL=null,
+        SWAP=A.decode_swapped(d), NULL=null, MERGE_FORM=form,
         num_warps=cfg["num_warps"], num_stages=stages)
     return out, pairs * per_split
 
@@ -162,8 +207,18 @@ def _q(values, f) -> str:
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit(__doc__)
-    sets = [a for a in sys.argv[1:] if "=" in a]
-    given = [a for a in sys.argv[1:] if "=" not in a]
+    argv = sys.argv[1:]
+    forms = [0]
+    if "--merge-forms" in argv:
+        at = argv.index("--merge-forms")
+        if at + 1 >= len(argv):
+            raise SystemExit("probe_decode: --merge-forms takes a list, e.g. --merge-forms 0,1,2,3")
+        forms = [int(f) for f in argv[at + 1].split(",")]
+        if not set(forms) <= {0, 1, 2, 3}:
+            raise SystemExit(f"probe_decode: --merge-forms {argv[at + 1]}: the forms are 0-3 (module docstring)")
+        del argv[at:at + 2]
+    sets = [a for a in argv if "=" in a]
+    given = [a for a in argv if "=" not in a]
     for item in sets:
         key, value = item.split("=", 1)
         if key not in A.TUNING["decode"]:
@@ -172,20 +227,20 @@ def main() -> None:
     cases = [tuple(map(int, c.split("x"))) for c in (given[0] if given else CASES).split(",")]
     print(f"TUNING['decode'] = {A.TUNING['decode']}", flush=True)
     print("times in us; 'a / b': median / max over programs; blocks: per program", flush=True)
-    print("| case | programs | table | traced | launch floor | start spread | entry->bound | bound->block 1 "
+    print("| case | merge form | programs | table | traced | launch floor | start spread | entry->bound | bound->block 1 "
           "| block period | blocks | last block->ticket | merge | span (first entry -> last end) | bits |")
-    print("|---" * 14 + "|")
-    for batch, context in cases:
+    print("|---" * 15 + "|")
+    for (batch, context), form in ((case, form) for case in cases for form in forms):
         args = paged_inputs(batch, context, 1)
         ref = A._paged(*args)
         trace = torch.zeros((batch * 8 * 132 * 4, 2, SLOTS), device="cuda", dtype=torch.int64)
-        out, programs = _launch(args, trace, False)
-        same = torch.equal(out, ref)
+        out, programs = _launch(args, trace, False, form)
+        bits = ("same" if torch.equal(out, ref) else "DIFFER") if form == 0 else "timing only"
         table_ms = graph_ms_per_call(lambda: A._paged(*args))
-        traced_ms = graph_ms_per_call(lambda: _launch(args, trace, False))
+        traced_ms = graph_ms_per_call(lambda: _launch(args, trace, False, form))
         null_ms = graph_ms_per_call(lambda: _launch(args, trace, True))
         trace.zero_()
-        _launch(args, trace, False)
+        _launch(args, trace, False, form)
         torch.cuda.synchronize()
         t = trace[:programs, 0].cpu().tolist()
         cyc = trace[:programs, 1].cpu().tolist()
@@ -199,12 +254,12 @@ def main() -> None:
         period = [cyc[i][BLOCK0 + b] - cyc[i][BLOCK0 + b - 1] for i, n in zip(ran, nblk) for b in range(1, n)]
         mergers = [i for i in ran if t[i][MERGED]]
         ends = [t[i][MERGED] or t[i][TICKET] for i in ran]
-        print(f"| {batch}x{context} | {programs} | {table_ms * 1e3:.1f} | {traced_ms * 1e3:.1f} | {null_ms * 1e3:.1f} | "
+        print(f"| {batch}x{context} | {form} | {programs} | {table_ms * 1e3:.1f} | {traced_ms * 1e3:.1f} | {null_ms * 1e3:.1f} | "
               f"{_q([t[i][ENTRY] - t0 for i in ran], us)} | {_q([cyc[i][BOUND] - cyc[i][ENTRY] for i in ran], cy)} | "
               f"{_q([cyc[i][BLOCK0] - cyc[i][BOUND] for i in ran], cy)} | {_q(period, cy)} | "
               f"{_q(nblk, float)} | {_q([cyc[i][TICKET] - cyc[i][BLOCK0 + n - 1] for i, n in zip(ran, nblk)], cy)} | "
               f"{_q([cyc[i][MERGED] - cyc[i][TICKET] for i in mergers], cy)} | {us(max(ends) - t0):.2f} | "
-              f"{'same' if same else 'DIFFER'} |", flush=True)
+              f"{bits} |", flush=True)
         sms = {t[i][SM] for i in ran}
         print(f"  ({len(ran)} programs ran on {len(sms)} SMs; {rate:.3f} ns a cycle)", flush=True)
         args = ref = trace = None
