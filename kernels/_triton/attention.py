@@ -646,7 +646,11 @@ def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_ne
     # pair's first programs reloading the states until none holds an unwritten NaN; 1.07-1.44x)
     # Also not kept (the forty-sixth session, H100, ab_decode.py, bits equal): the next step's states
     # loaded into registers while this step merges (a double buffer: 0.989-0.998x the kernel's time at
-    # batch 1-2 x 16k-32k, 1.03-1.05x at 1 x 1k-4k) and the next two steps' (1.015-1.027x).
+    # batch 1-2 x 16k-32k, 1.03-1.05x at 1 x 1k-4k) and the next two steps' (1.015-1.027x); the next one
+    # or two steps' states asked of L1 (prefetch.global.L1, CCTL.E.PF1: 1.02-1.04x / 1.03-1.07x at batch
+    # 1 x 1k-32k). ptxas issues all of a step's loads before its first merge at 8 states a step, not at
+    # 12, 16 or 32 (their loads go out in 3-4 groups, each waited for): more states a step saves no
+    # round trip. benchmarks/probe_decode.py --merge-forms times the loop's loads and arithmetic apart.
     for c_step in range(0, n_need, _MERGE_AHEAD):
         for i in tl.static_range(_MERGE_AHEAD):
             c = c_step + i
