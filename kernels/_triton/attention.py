@@ -235,9 +235,6 @@ _SUM_COLS = tl.constexpr(16)  # width of the ones matrix that computes row sums 
 _WGMMA_M = 64
 _SUM_ROWS = tl.constexpr(_WGMMA_M)  # swapped tiles: height of the ones matrix (the row-sum dot's M side)
 _MERGE_AHEAD = tl.constexpr(8)  # chunk states a split decode's merge loads before merging the first of them
-# steps of _MERGE_AHEAD states the merge asks L1 for ahead of its loads (none in the interpreter, which runs
-# no PTX; a prefetch moves no value)
-_MERGE_PREFETCH = tl.constexpr(0 if INTERPRETING else 1)
 _LOG2E = 1.4426950408889634
 
 
@@ -622,24 +619,6 @@ def _split_states(q, pos, hi, chunk0, stride, mine, k, v, page_row, page_size, s
 
 
 @triton.jit
-def _l1_prefetch_state(part_m, part_l, part_acc, first_g, c, GROUP: tl.constexpr, D: tl.constexpr):
-    """Asks L1 for chunk c's state (PTX prefetch.global.L1: no register, no scoreboard, no wait): its
-    accumulator rows a 16-byte piece a thread, its maxima and sums."""
-    at = first_g + c * GROUP
-    pieces = at[:, None] * D + tl.arange(0, D // 4)[None, :] * 4
-    _l1_prefetch(part_acc + pieces)
-    _l1_prefetch(part_m + at)
-    _l1_prefetch(part_l + at)
-
-
-@triton.jit
-def _l1_prefetch(ptrs):
-    """Asks L1 for the line at each of ptrs (PTX prefetch.global.L1): no value, no wait."""
-    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
                         GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr):
     """The n_need chunk states of split pair `tail` merged in chunk order and its rows stored (by the
@@ -673,10 +652,6 @@ def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_ne
     # 12, 16 or 32 (their loads go out in 3-4 groups, each waited for): more states a step saves no
     # round trip. benchmarks/probe_decode.py --merge-forms times the loop's loads and arithmetic apart.
     for c_step in range(0, n_need, _MERGE_AHEAD):
-        if c_step + _MERGE_AHEAD < n_need:
-            for i in tl.static_range(_MERGE_AHEAD * _MERGE_PREFETCH):
-                _l1_prefetch_state(part_m, part_l, part_acc, first_g,
-                                   tl.minimum(c_step + _MERGE_AHEAD + i, n_need - 1), GROUP, D)
         for i in tl.static_range(_MERGE_AHEAD):
             c = c_step + i
             at = first_g + c * GROUP
