@@ -213,7 +213,7 @@ def main() -> None:
         at = argv.index("--merge-forms")
         if at + 1 >= len(argv):
             raise SystemExit("probe_decode: --merge-forms takes a list, e.g. --merge-forms 0,1,2,3")
-        forms = [int(f) for f in argv[at + 1].split(",")]
+        forms = [int(f) if f.isdigit() else -1 for f in argv[at + 1].split(",")]
         if not set(forms) <= {0, 1, 2, 3}:
             raise SystemExit(f"probe_decode: --merge-forms {argv[at + 1]}: the forms are 0-3 (module docstring)")
         del argv[at:at + 2]
