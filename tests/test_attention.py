@@ -464,6 +464,31 @@ def test_decode_grid_rule_on_an_h200():
     assert A._decode_grid(2048, 64, 132, {**cfg, "SPLIT_TAIL": False}) == (2048, 1, 2, 0)
 
 
+def test_decode_cluster_rule_on_an_h200():
+    """Which decode grids run their pairs as thread-block clusters (TUNING["decode"]'s CLUSTER_MAX,
+    CLUSTER_FILL) at Qwen3-8B's 8 kv heads and head_dim 128 on 132 SMs: one-chunk splits alone, a
+    power of two of CTAs a pair that holds its chunks (at most 8), at most half the SMs in all."""
+    from lockstep.kernels._triton import attention as A
+
+    cfg = A.TUNING["decode"]
+    assert (cfg["CLUSTER_MAX"], cfg["CLUSTER_FILL"]) == (8, 0.5)
+
+    def cluster(batch, keys, table=cfg, head_dim=128):
+        n_chunks = -(-keys // A.KV_CHUNK)
+        walks, per_split, _, _ = A._decode_grid(batch * 8, n_chunks, 132, table)
+        one_chunk = walks == 0 and n_chunks <= per_split
+        return A._decode_cluster(n_chunks, per_split if one_chunk else 0, batch * 8, 132, head_dim, table)
+
+    assert [cluster(1, keys) for keys in (256, 257, 512, 700, 1024, 1500, 2048, 2049, 4096, 16384)] == [
+        1, 2, 2, 4, 4, 8, 8, 1, 1, 1]  # one chunk: nothing to merge; 9+ chunks: 16 CTAs a pair
+    assert cluster(2, 1024) == 4 and cluster(4, 512) == 2  # 64 CTAs
+    assert cluster(4, 1024) == 1 and cluster(2, 2048) == 1 and cluster(3, 2048) == 1  # 128-192: over half the SMs
+    assert cluster(3, 2048, {**cfg, "CLUSTER_FILL": 2.0}) == 8
+    assert cluster(1, 4096, {**cfg, "CLUSTER_MAX": 16, "CLUSTER_FILL": 1.0}) == 16 and cluster(1, 1024, {**cfg, "CLUSTER_MAX": 0}) == 1
+    assert cluster(1, 1024, head_dim=96) == 4 and cluster(1, 2048, head_dim=100) == 1  # a share of columns each
+    assert cluster(16, 1024) == 1  # walks
+
+
 def test_decode_walk_takes_its_deep_ring_only_where_that_costs_no_wave():
     """The one-program decode walk's ring (TUNING["decode"]["WALK_STAGES"], WALK_PER_SM programs an
     SM) against the table's (PROGRAMS_PER_SM an SM): on an H200's 132 SMs at Qwen3-8B's 8 kv heads,
@@ -903,3 +928,62 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
     for _ in range(3):
         graph.replay()
         assert torch.equal(captured, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,picks,cluster,fill", [
+    ([1024], [(0, 1023)], 4, None), ([700], [(0, 699)], 4, None),
+    ([2048, 1100], [(0, 2047), (0, 777), (1, 1099)], 8, 2.0), ([1500, 700], [(0, 1499), (0, 300), (1, 699)], 8, 2.0)],
+    ids=["1x1k-cluster-4", "1x700-cluster-4-of-3-chunks", "3x2k-cluster-8-any-fill", "3x1.5k-cluster-8-of-6-chunks-any-fill"])
+def test_gpu_clustered_decode_gives_the_training_bits(gpu_triton, monkeypatch, lens, picks, cluster, fill):
+    """A grid of one-chunk splits alone at batch 1-3 runs each (sequence, kv head) pair's programs as
+    one thread-block cluster (TUNING's CLUSTER_MAX): each CTA keeps its chunk's state in its shared
+    memory and merges a share of the columns from every CTA's state, where the ticketed split goes
+    through memory; a cluster is a power of two of CTAs, so 1,500 or 700 keys (6 or 3 chunks) leave
+    CTAs that only merge, and a shorter request more. Each decoded token equals its training output
+    bit for bit, as the ticketed split's (CLUSTER_MAX 0) does, eagerly and replayed from a CUDA graph;
+    the cluster launch must have run (where it cannot, the launcher takes the ticketed split, which
+    the bits alone would not tell apart). Batch 3 runs with CLUSTER_FILL raised (fill): the table's
+    keeps 192 CTAs off clusters."""
+    from lockstep.kernels._triton import _cluster
+    from lockstep.kernels._triton import attention as A
+
+    shipped = A.TUNING["decode"]
+    table = shipped if fill is None else {**shipped, "CLUSTER_FILL": fill}
+    monkeypatch.setitem(A.TUNING, "decode", table)
+    launched, real = [], _cluster.cluster_launch
+    monkeypatch.setattr(_cluster, "cluster_launch", lambda *a, **kw: launched.append(real(*a, **kw)) or launched[-1])
+    q, k, v, cu = _packed(lens, 32, 8, 128, torch.bfloat16, "cuda")
+    train = K.varlen_attention(q, k, v, cu)
+    width = max(p for _, p in picks) + 1
+    k_b, v_b = k.new_zeros(len(picks), width, 8, 128), v.new_zeros(len(picks), width, 8, 128)
+    for i, (r, p) in enumerate(picks):
+        k_b[i, : p + 1], v_b[i, : p + 1] = k[cu[r]: cu[r] + p + 1], v[cu[r]: cu[r] + p + 1]
+    rows = torch.tensor([int(cu[r]) + p for r, p in picks], device="cuda")
+    pos = torch.tensor([[p] for _, p in picks], device="cuda")
+    q_b = q[rows][:, None].contiguous()
+    pairs, n_chunks = len(picks) * 8, -(-width // A.KV_CHUNK)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    _, per_split, _, _ = A._decode_grid(pairs, n_chunks, sms, table)
+    assert A._decode_cluster(n_chunks, per_split, pairs, sms, 128, table) == cluster, per_split
+    if fill is not None:  # the table's fill keeps this grid off clusters
+        assert A._decode_cluster(n_chunks, per_split, pairs, sms, 128, shipped) == 1
+    out = K.causal_attention(q_b, k_b, v_b, pos)[:, 0]
+    assert launched == [True], launched
+    differ = (out != train[rows]).flatten(1).any(1)
+    assert not differ.any(), f"decoded tokens differ from training at {[picks[i] for i in differ.nonzero().flatten()]}"
+    monkeypatch.setitem(A.TUNING, "decode", {**table, "CLUSTER_MAX": 0})
+    assert torch.equal(K.causal_attention(q_b, k_b, v_b, pos)[:, 0], out) and launched == [True], launched
+    monkeypatch.setitem(A.TUNING, "decode", table)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        K.causal_attention(q_b, k_b, v_b, pos)
+    stream.synchronize()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = K.causal_attention(q_b, k_b, v_b, pos)[:, 0]
+    for _ in range(3):
+        captured.zero_()
+        graph.replay()
+        assert torch.equal(captured, out)
+    assert launched == [True] * 3, launched

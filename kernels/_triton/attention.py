@@ -64,6 +64,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from lockstep.kernels._triton import _cluster
 from lockstep.kernels._triton._alignment import ALIGN_BYTES, is_aligned
 from lockstep.kernels._triton._device import INTERPRETING, resident_programs
 from lockstep.kernels._triton._tickets import zeroed_tickets
@@ -189,9 +190,23 @@ TUNING = {
     # whole chunk before its ring's loads (the forty-fourth session: 1.06-1.25x the time at batch 1-8 x
     # 1k-4k), and idle SMs' helper programs asking L2 for a chunk's last blocks (the forty-sixth:
     # 1.002-1.012x at batch 1-2 x 512-1k)
+    # CLUSTER_MAX: a grid of splits alone whose programs each fold one chunk (ONE_CHUNK) runs each pair's
+    # programs as one thread-block cluster (sm_90+, _cluster.py) of the power of two of CTAs that holds
+    # its chunks, if that is at most CLUSTER_MAX (0: never): each CTA keeps its chunk's state in its
+    # shared memory, the cluster meets at its barrier and each CTA merges a share of the columns from
+    # every CTA's state, where the ticketed split stores the states to memory, fences them, takes a
+    # ticket and loads them back (the ticket alone ~1.5 us of batch 1 x 1k's 8.4 us: the forty-sixth
+    # session), and where its CTAs (pairs x cluster) are at most CLUSTER_FILL of the SMs; else, and where
+    # the grid's clusters cannot all be resident at once (occupancy), the ticketed split runs. The
+    # forty-seventh session (H100, ab_decode.py, CUDA graphs, bits equal, against the ticketed split):
+    # batch 1 at 512 / 700 / 1k / 2k keys (16-64 CTAs) 1.056 / 1.083 / 1.071-1.078 / 1.048x, 2 x 1k
+    # 1.067x; at 128 CTAs slower (4 x 1k 0.837x, 2 x 2k 0.820x), 3 x 2k (192) 0.990x; CTAs given an SM
+    # each (more than half its shared memory) 0.996-1.013x at batch 1-2. Multi-chunk CTAs in clusters
+    # (8 or 16 a pair, so fewer programs than the split's) lost: 1 x 4k 0.62 / 0.83x, 1 x 16k 0.73 /
+    # 0.89x (8 / 16 a cluster)
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
                    WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2, FLAT_STAGES=5,
-                   WALK_FILL=0.72),
+                   WALK_FILL=0.72, CLUSTER_MAX=8, CLUSTER_FILL=0.5),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
@@ -336,9 +351,11 @@ def _tile_sums(l, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _tile_offsets(idx, D: tl.constexpr, SWAP: tl.constexpr):
-    """Element offsets of rows idx of a [rows, D] tensor as a [ROWS, D] tile, or with SWAP [D, ROWS]."""
-    cols = tl.arange(0, D)
+def _tile_offsets(idx, D: tl.constexpr, SWAP: tl.constexpr, cols=None):
+    """Element offsets of rows idx of a [rows, D] tensor as a [ROWS, D] tile, or with SWAP [D, ROWS]
+    (cols: of those columns only, [ROWS, len(cols)])."""
+    if cols is None:
+        cols = tl.arange(0, D)
     if SWAP:
         out = idx[None, :] * D + cols[:, None]
     else:
@@ -524,9 +541,10 @@ def _row_state(q, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, 
 
 
 @triton.jit
-def _store_rows(out, lse, idx, keep, m, l, acc, D: tl.constexpr, SWAP: tl.constexpr):
-    """Normalise and store rows; lse (log2 units) is what the backward recomputes P from."""
-    tl.store(out + _tile_offsets(idx, D, SWAP), _normalised(acc, l, SWAP).to(out.dtype.element_ty),
+def _store_rows(out, lse, idx, keep, m, l, acc, D: tl.constexpr, SWAP: tl.constexpr, cols=None):
+    """Normalise and store rows (cols: acc holds those columns only); lse (log2 units) is what the
+    backward recomputes P from."""
+    tl.store(out + _tile_offsets(idx, D, SWAP, cols), _normalised(acc, l, SWAP).to(out.dtype.element_ty),
              mask=_col(keep, SWAP))
     tl.store(lse + idx, _lse(m, l), mask=keep)
 
@@ -619,17 +637,51 @@ def _split_states(q, pos, hi, chunk0, stride, mine, k, v, page_row, page_size, s
 
 
 @triton.jit
+def _cluster_offsets(rows, cols, D: tl.constexpr, SWAP: tl.constexpr, MERGE_ROWS: tl.constexpr):
+    """Byte offsets (int32, from the buffer's end: _cluster.py) of rows `rows`, columns `cols` (None:
+    all D), of the chunk state a clustered split's CTA keeps in its cluster buffer: its accumulator
+    [MERGE_ROWS, D] (as a [rows, cols] tile, or with SWAP [cols, rows]), then its maxima and its sums
+    [MERGE_ROWS] each, fp32 (cluster_buffer_bytes). Returns (acc, m, l)."""
+    end: tl.constexpr = MERGE_ROWS * (D + 2)
+    acc = ((_tile_offsets(rows, D, SWAP, cols) - end) * 4).to(tl.int32)
+    return acc, ((MERGE_ROWS * D + rows - end) * 4).to(tl.int32), ((MERGE_ROWS * (D + 1) + rows - end) * 4).to(tl.int32)
+
+
+def cluster_buffer_bytes(group: int, head_dim: int) -> int:
+    """Bytes of a clustered split CTA's cluster buffer: one chunk state (_cluster_offsets)."""
+    return triton.next_power_of_2(group) * (head_dim + 2) * 4
+
+
+@triton.jit
+def _keep_chunk_state(keep, m, l, acc, D: tl.constexpr, SWAP: tl.constexpr, MERGE_ROWS: tl.constexpr):
+    """A clustered split program's chunk state (_chunk_state's) in its cluster buffer, its group's
+    rows (keep) only: _store_chunk_state's stores, into shared memory."""
+    rows = tl.arange(0, keep.shape[0])
+    off_acc, off_m, off_l = _cluster_offsets(rows, None, D, SWAP, MERGE_ROWS)
+    kept = keep.to(tl.int32)
+    _cluster.put(off_acc, _col(kept, SWAP), acc)
+    _cluster.put(off_m, kept, m)
+    _cluster.put(off_l, kept, l)
+
+
+@triton.jit
 def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
-                        GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr):
+                        GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr, CLUSTER: tl.constexpr = 1,
+                        rank=0):
     """The n_need chunk states of split pair `tail` merged in chunk order and its rows stored (by the
     last of the pair's programs). The merge is elementwise per row: only the group's real rows (a
-    power of two >= GROUP)."""
+    power of two >= GROUP). CLUSTER > 1: CTA `rank` of the pair's cluster merges its share of the
+    columns (D / CLUSTER of them, from rank * D / CLUSTER), chunk c's state read from the cluster
+    buffer of CTA c (_keep_chunk_state; part_m, part_l, part_acc, tail and n_chunks unused): the same
+    merges of the same values, in the same order."""
+    W: tl.constexpr = D // CLUSTER
     g = tl.arange(0, MERGE_ROWS)
+    cols = rank * W + tl.arange(0, W)
     tok_g, head_g = _rows(g, begin, 1, kv_head, GROUP)
     first_g = (tail * n_chunks).to(tl.int64) * GROUP + g % GROUP
     m_t = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
     l_t = tl.zeros((MERGE_ROWS,), tl.float32)
-    acc_t = tl.zeros((MERGE_ROWS, D), tl.float32)
+    acc_t = tl.zeros((MERGE_ROWS, W), tl.float32)
     # chunk order, _MERGE_AHEAD states a step: their loads are independent of the merges, so they are
     # all in flight before the first merge needs one; a state past the last is loaded masked and its
     # merge's result not kept (a select: exact). Plain loads: the ticket's acquire orders them after
@@ -654,14 +706,22 @@ def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_ne
     for c_step in range(0, n_need, _MERGE_AHEAD):
         for i in tl.static_range(_MERGE_AHEAD):
             c = c_step + i
-            at = first_g + c * GROUP
             here = c < n_need
-            acc_c = tl.load(part_acc + _tile_offsets(at, D, False), mask=here, other=0.0)
-            m_c = tl.load(part_m + at, mask=here, other=0.0)
-            l_c = tl.load(part_l + at, mask=here, other=0.0)
+            if CLUSTER > 1:
+                off_acc, off_m, off_l = _cluster_offsets(g, cols, D, False, MERGE_ROWS)
+                in_c, owner = here.to(tl.int32), tl.minimum(c, CLUSTER - 1)  # (a rank past the cluster: no address)
+                acc_c = _cluster.take(off_acc, in_c, owner)
+                m_c = _cluster.take(off_m, in_c, owner)
+                l_c = _cluster.take(off_l, in_c, owner)
+            else:
+                at = first_g + c * GROUP
+                acc_c = tl.load(part_acc + _tile_offsets(at, D, False), mask=here, other=0.0)
+                m_c = tl.load(part_m + at, mask=here, other=0.0)
+                l_c = tl.load(part_l + at, mask=here, other=0.0)
             m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_c, l_c, acc_c, False)
             m_t, l_t, acc_t = tl.where(here, m_n, m_t), tl.where(here, l_n, l_t), tl.where(here, acc_n, acc_t)
-    _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False)
+    # (a cluster's CTAs each store every row's lse: the same bits, from the same merges of m and l)
+    _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False, cols)
 
 
 @triton.jit
@@ -671,7 +731,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          MERGE_ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                          WALKS: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
                          FROM_LENS: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr,
-                         FLAT_STAGES: tl.constexpr, ONE_CHUNK: tl.constexpr):
+                         FLAT_STAGES: tl.constexpr, ONE_CHUNK: tl.constexpr, CLUSTER: tl.constexpr = 1):
     """Single-query sequences, each (sequence, kv head) pair's rows the group's query heads. A grid
     with splits is 1-D: programs 0 .. n_walks - 1 walk pairs 0 .. n_walks - 1 whole, and each later
     pair is split across per_split programs (P); a grid of walks only is (1, kv heads, sequences). A
@@ -687,9 +747,15 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     table_width: the page table's entries a row (a split program loads its first chunk's entries
     before the sequence's bounds, masked by the table's width). ONE_CHUNK: no sequence has more
     chunks than its pair has programs (the launcher's bound, the cache's longest sequence), so the
-    kernel holds no path for a program's second chunk."""
+    kernel holds no path for a program's second chunk. CLUSTER > 1 (ONE_CHUNK, a grid of splits alone,
+    per_split = CLUSTER): each pair's programs are one thread-block cluster (_cluster.py): each keeps
+    its chunk's state in its own shared memory, the cluster meets at its barrier, and each merges its
+    share of the columns from every CTA's state (_merge_chunk_states), instead of the states going
+    through memory and a ticket (a CTA past the sequence's chunks only merges)."""
     if SPLITS:
         pid = tl.program_id(0)
+        if CLUSTER > 1:  # the cluster barrier's phase 0: every CTA arrives as it starts, before any return
+            _cluster.arrive(pid, False)
         n_kv = n_heads // GROUP
         walking = pid < n_walks
         split_pid = tl.maximum(pid - n_walks, 0)
@@ -719,8 +785,9 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
         return
     hi = tl.max(pos, 0)
     n_need = hi // KV_CHUNK + 1  # the chunks that hold keys
-    if p >= n_need:
-        return
+    if CLUSTER == 1:  # (a cluster's CTAs each merge a share of the columns: none leaves early)
+        if p >= n_need:
+            return
     q_tile = tl.load(q + _tile_offsets(tok * n_heads + head, D, SWAP))
     keep = rows < GROUP
     k, v, page_row = k + kv_head * stride_head, v + kv_head * stride_head, page_table + seq * stride_table
@@ -743,6 +810,19 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
         # chunk: the one loop's in-loop store takes shared memory (78 KB a program against 71.7 at 2-3
         # stages), two programs an SM instead of three (0.91-0.97x the sixteenth session's kernel at
         # batch 16-64 in an A/B)
+        if CLUSTER > 1:
+            if p < n_need:
+                m, l, acc = _chunk_state(q_tile, pos, hi, p, k, v, page_row, page_size, stride_page, stride_slot,
+                                         qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT, first_pages)
+                _keep_chunk_state(keep, m, l, acc, D, SWAP, MERGE_ROWS)
+            _cluster.wait(p)  # phase 0 done: every CTA of the cluster started
+            _cluster.arrive(p, True)  # phase 1: this CTA's state is in its buffer (release)
+            _cluster.wait(p)
+            _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
+                                GROUP, MERGE_ROWS, D, CLUSTER, p)
+            _cluster.arrive(p, False)  # phase 2: done reading the other CTAs' buffers; none exits before
+            _cluster.wait(p)
+            return
         if ONE_CHUNK:  # a kernel without the paths of several chunks a program: the thirty-fifth session
             # (H100, ab_decode.py, CUDA graphs, bits equal), batch 1 at 1k / 4k 1.016 / 1.012-1.026x,
             # 2 x 4k 1.027x (that code, never run there, took their programs longer)
@@ -1786,6 +1866,21 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     pairs = n_seqs * keys.n_heads
     walks, per_split, stages, flat_stages = _decode_grid(pairs, n_chunks, resident_programs(q.device), cfg)
     split = pairs - walks  # pairs split across programs: their chunk states go through memory
+    one_chunk = bool(split and n_chunks <= per_split)
+    kwargs = dict(GROUP=group, ROWS=decode_rows(group, d), MERGE_ROWS=triton.next_power_of_2(group), D=d,
+                  KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"],
+                  FROM_LENS=queries.from_lens, SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size),
+                  FLAT_STAGES=flat_stages, ONE_CHUNK=one_chunk, num_warps=cfg["num_warps"], num_stages=stages)
+    cluster = _decode_cluster(n_chunks, per_split if one_chunk and not walks else 0, pairs,
+                              resident_programs(q.device), d, cfg)
+    if cluster > 1 and not INTERPRETING and _cluster.supported(q.device):
+        # each pair's programs one cluster: no chunk state goes through memory, no ticket
+        unused = lse  # (the states' and tickets' pointers: a clustered kernel takes neither)
+        args = (q, keys.k, keys.v, out, lse, unused, unused, unused, unused, *_query_args(queries), *_page_args(keys),
+                q.shape[1], qk_scale, n_chunks, 0, cluster, keys.table.shape[1])
+        if _cluster.cluster_launch(_decode_chunk_kernel, (split, 1, 1), cluster, cluster_buffer_bytes(group, d), *args,
+                                   CLUSTER=cluster, **kwargs):
+            return
     states = (split, n_chunks, group) if split else (1,)
     part_m = torch.empty(states, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
@@ -1797,11 +1892,20 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     grid = (walks + split * per_split, 1, 1) if split else (1, keys.n_heads, n_seqs)
     _decode_chunk_kernel[grid](
         q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, *_query_args(queries),
-        *_page_args(keys), q.shape[1], qk_scale, n_chunks, walks, per_split, keys.table.shape[1], GROUP=group,
-        ROWS=decode_rows(group, d), MERGE_ROWS=triton.next_power_of_2(group), D=d, KV_BLOCK=KV_BLOCK,
-        KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"], FROM_LENS=queries.from_lens,
-        SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size), FLAT_STAGES=flat_stages,
-        ONE_CHUNK=bool(split and n_chunks <= per_split), num_warps=cfg["num_warps"], num_stages=stages)
+        *_page_args(keys), q.shape[1], qk_scale, n_chunks, walks, per_split, keys.table.shape[1], **kwargs)
+
+
+def _decode_cluster(n_chunks: int, per_split: int, pairs: int, sms: int, head_dim: int, cfg: dict) -> int:
+    """CTAs a cluster of a grid of one-chunk splits alone whose `pairs` pairs have per_split programs
+    each (0: another grid), TUNING["decode"]'s CLUSTER_MAX and CLUSTER_FILL (of `sms` SMs); 1: no
+    cluster. A cluster is a power of two of CTAs (each merges head_dim / cluster columns), the first
+    at least n_chunks: one chunk a CTA, as the grid's programs, CTAs past a sequence's chunks only
+    merging."""
+    cluster = triton.next_power_of_2(n_chunks)
+    if (n_chunks < 2 or per_split < n_chunks or cluster > cfg["CLUSTER_MAX"] or head_dim % cluster
+            or pairs * cluster > cfg["CLUSTER_FILL"] * sms):
+        return 1
+    return cluster
 
 
 def decode_page_shift(page_size: int) -> int:
