@@ -918,16 +918,23 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
     # replayed from a CUDA graph: each merging program leaves its ticket at zero for the next replay
     # (a call on the capture stream first makes the stream's counters outside the graph, so the
     # graph holds no memset of them)
-    graph, q_b, stream = torch.cuda.CUDAGraph(), q[rows][:, None], torch.cuda.Stream()
+    graph, captured = _captured_decode(q[rows][:, None], k_b, v_b, pos)
+    for _ in range(3):
+        graph.replay()
+        assert torch.equal(captured, out)
+
+
+def _captured_decode(q_b, k_b, v_b, pos):
+    """(graph, its output) of causal_attention's decode captured in a CUDA graph, after a call on the
+    capture stream outside it."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         K.causal_attention(q_b, k_b, v_b, pos)
     stream.synchronize()
     with torch.cuda.graph(graph, stream=stream):
         captured = K.causal_attention(q_b, k_b, v_b, pos)[:, 0]
-    for _ in range(3):
-        graph.replay()
-        assert torch.equal(captured, out)
+    return graph, captured
 
 
 @pytest.mark.gpu
@@ -975,13 +982,7 @@ def test_gpu_clustered_decode_gives_the_training_bits(gpu_triton, monkeypatch, l
     monkeypatch.setitem(A.TUNING, "decode", {**table, "CLUSTER_MAX": 0})
     assert torch.equal(K.causal_attention(q_b, k_b, v_b, pos)[:, 0], out) and launched == [True], launched
     monkeypatch.setitem(A.TUNING, "decode", table)
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        K.causal_attention(q_b, k_b, v_b, pos)
-    stream.synchronize()
-    with torch.cuda.graph(graph, stream=stream):
-        captured = K.causal_attention(q_b, k_b, v_b, pos)[:, 0]
+    graph, captured = _captured_decode(q_b, k_b, v_b, pos)
     for _ in range(3):
         captured.zero_()
         graph.replay()
