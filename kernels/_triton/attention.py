@@ -200,13 +200,14 @@ TUNING = {
     # the grid's clusters cannot all be resident at once (occupancy), the ticketed split runs. The
     # forty-seventh session (H100, ab_decode.py, CUDA graphs, bits equal, against the ticketed split):
     # batch 1 at 512 / 700 / 1k / 2k keys (16-64 CTAs) 1.056 / 1.083 / 1.071-1.078 / 1.048x, 2 x 1k
-    # 1.067x; at 128 CTAs slower (4 x 1k 0.837x, 2 x 2k 0.820x), 3 x 2k (192) 0.990x; CTAs given an SM
-    # each (more than half its shared memory) 0.996-1.013x at batch 1-2. Multi-chunk CTAs in clusters
-    # (8 or 16 a pair, so fewer programs than the split's) lost: 1 x 4k 0.62 / 0.83x, 1 x 16k 0.73 /
-    # 0.89x (8 / 16 a cluster)
+    # 1.067x, 3 x 1k / 5 x 512 / 6 x 512 (96 / 80 / 96 CTAs) 1.057 / 1.022 / 1.035x; at 128 CTAs slower
+    # (4 x 1k 0.837 / 0.824x, 2 x 2k 0.820x), 3 x 2k (192) 0.990-1.000x; CTAs given an SM each (more than
+    # half its shared memory) 0.996-1.013x at batch 1-2. Multi-chunk CTAs in clusters (8 or 16 a pair,
+    # so fewer programs than the split's) lost: 1 x 4k 0.62 / 0.83x, 1 x 16k 0.73 / 0.89x (8 / 16 a
+    # cluster)
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
                    WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2, FLAT_STAGES=5,
-                   WALK_FILL=0.72, CLUSTER_MAX=8, CLUSTER_FILL=0.5),
+                   WALK_FILL=0.72, CLUSTER_MAX=8, CLUSTER_FILL=0.75),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
