@@ -487,6 +487,7 @@ def test_decode_cluster_rule_on_an_h200():
     assert cluster(1, 4096, {**cfg, "CLUSTER_MAX": 16, "CLUSTER_FILL": 1.0}) == 16 and cluster(1, 1024, {**cfg, "CLUSTER_MAX": 0}) == 1
     assert cluster(1, 1024, head_dim=96) == 4 and cluster(1, 2048, head_dim=100) == 1  # a share of columns each
     assert cluster(16, 1024) == 1  # walks
+    assert cluster(1, 1024, {**cfg, "num_warps": 8}) == 1  # (the occupancy query counts 128-thread CTAs)
 
 
 def test_decode_walk_takes_its_deep_ring_only_where_that_costs_no_wave():

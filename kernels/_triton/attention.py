@@ -1901,10 +1901,10 @@ def _decode_cluster(n_chunks: int, per_split: int, pairs: int, sms: int, head_di
     each (0: another grid), TUNING["decode"]'s CLUSTER_MAX and CLUSTER_FILL (of `sms` SMs); 1: no
     cluster. A cluster is a power of two of CTAs (each merges head_dim / cluster columns), the first
     at least n_chunks: one chunk a CTA, as the grid's programs, CTAs past a sequence's chunks only
-    merging."""
+    merging; 4 warps a CTA (the occupancy query's CTAs: _cluster.cluster_launch)."""
     cluster = triton.next_power_of_2(n_chunks)
     if (n_chunks < 2 or per_split < n_chunks or cluster > cfg["CLUSTER_MAX"] or head_dim % cluster
-            or pairs * cluster > cfg["CLUSTER_FILL"] * sms):
+            or pairs * cluster > cfg["CLUSTER_FILL"] * sms or cfg["num_warps"] != 4):
         return 1
     return cluster
 
