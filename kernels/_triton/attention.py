@@ -17,7 +17,9 @@ Numerics (the bitwise contract):
   decode query compute the same bits for a row.
   The chunk level is what lets decode split one row's keys across programs: each program folds
   one chunk, and the last of a row's chunk programs to finish (a ticket counter per sequence and kv
-  head) merges the chunk states in the order a prefill tile merges them in registers.
+  head) merges the chunk states in the order a prefill tile merges them in registers; or, where every
+  chunk of a small batch has its own program, a row's programs are one thread-block cluster whose
+  CTAs keep their states in shared memory and each merge a share of the columns in that order.
 
 Rows: a program handles the query heads that share one kv head as rows of its tile, in
 (query, head) order, so each K/V block is loaded once per group (GQA packing, decode included).
