@@ -17,6 +17,11 @@ Operations (inline PTX; every thread of the program runs each, none is pure):
   buffer's end (negative), where mask (int32) is nonzero.
 - `take(off, mask, rank)`: CTA `rank`'s buffer read at those offsets (0.0 where mask is 0).
 
+Two things of Triton's (3.6) this relies on: the compiled kernel's packed launch metadata (num_warps,
+num_ctas, shared), which its launcher reads at every launch, and the dynamic shared memory's one
+extern symbol, `global_smem`. tests/test_attention.py::test_gpu_clustered_decode_gives_the_training_bits
+checks both on a GPU (a Triton upgrade must pass it).
+
 A CTA's shared memory exists while it runs: a CTA reads another's buffer only after a wait on a
 phase that CTA arrived at (so it has started, and has written what is read: a release arrive after
 its puts), and no CTA exits before a wait on a phase every reader arrives at when done reading.
