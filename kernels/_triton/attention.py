@@ -260,8 +260,9 @@ _SUM_ROWS = tl.constexpr(_WGMMA_M)  # swapped tiles: height of the ones matrix (
 _MERGE_AHEAD = tl.constexpr(8)  # chunk states a split decode's merge loads before merging the first of them
 _MID_POLLS = tl.constexpr(1 << 14)  # _mid_merge's polls of its counter before it gives up (~1 us each)
 _MID_DONE = tl.constexpr(1 << 24)  # what _mid_merge adds to its counter: the prefix is stored
-_WARP_COUNT = tl.constexpr("{\n\t.reg .pred p;\n\t.reg .u32 lane;\n\tbar.warp.sync -1;\n\tmov.u32 lane, %laneid;\n\t"
-                           "setp.eq.u32 p, lane, 0;\n\t@p red.release.gpu.global.add.s32 [$1], 1;\n\tmov.u32 $0, 0;\n\t}")
+_WARP_COUNT = tl.constexpr("{\n\t.reg .pred p;\n\t.reg .u32 lane;\n\tbar.warp.sync -1;\n\t"  # _count_stored's
+                           "mov.u32 lane, %laneid;\n\tsetp.eq.u32 p, lane, 0;\n\t"
+                           "@p red.release.gpu.global.add.s32 [$1], 1;\n\tmov.u32 $0, 0;\n\t}")
 _LOG2E = 1.4426950408889634
 
 
@@ -780,8 +781,9 @@ def _mid_merge(part_m, part_l, part_acc, stored, tail, n_chunks, early, GROUP: t
     """A split pair's early chunk states (0 .. early - 1: the rounds of its programs before the last,
     part-full one) merged in chunk order by a program with no chunk in that last round, while the
     others fold theirs: it waits until the pair's counter of early states stored (`stored`, SIGNALS a
-    state: _count_stored) reaches `early` states, merges them from empty, stores the running state over chunk early - 1's and adds
-    _MID_DONE to the counter, so that the last merge (_merge_chunk_states' prefix) goes on from it.
+    state: _count_stored) reaches `early` states, merges them from empty, stores the running state
+    over chunk early - 1's and adds _MID_DONE to the counter, so that the last merge
+    (_merge_chunk_states' prefix) goes on from it.
     The wait polls at most _MID_POLLS times (a pair whose other programs are not all resident: the
     grid is one wave of programs, so only a GPU shared with other work leaves them waiting), then
     gives up: the last merge then merges every state (the same bits either way)."""
@@ -952,6 +954,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                 prefix = tl.where((spin > 0) & (mid >= _MID_DONE), early, 0)
             _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
                                 GROUP, MERGE_ROWS, D, 1, 0, prefix)
+
 
 # ---- the forward, warp-specialised (Gluon) ---------------------------------------------------------
 # _prefill_kernel's tiles and folds (TUNING["prefill_linear"] and ["prefill"], GLUON) with the schedule
