@@ -951,17 +951,10 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
     if flat_stages is not None:
         cfg["FLAT_STAGES"] = flat_stages
     lens = [3000, 1500, 700, 257, 64]  # 3,000 keys: 12 chunks, merged in two steps of _MERGE_AHEAD loads
-    q, k, v, cu = _packed(lens, 32, 8, 128, torch.bfloat16, "cuda")
-    train = K.varlen_attention(q, k, v, cu)
     gen = torch.Generator().manual_seed(3)
     picks = [(r, p) for r, n in enumerate(lens) for p in {0, n - 1, 63, 64, 255, 256, *torch.randint(0, n, (6,), generator=gen).tolist()}
              if p < n]
-    width = max(lens)
-    k_b, v_b = k.new_zeros(len(picks), width, 8, 128), v.new_zeros(len(picks), width, 8, 128)
-    for i, (r, p) in enumerate(picks):
-        k_b[i, : p + 1], v_b[i, : p + 1] = k[cu[r]: cu[r] + p + 1], v[cu[r]: cu[r] + p + 1]
-    rows = torch.tensor([int(cu[r]) + p for r, p in picks], device="cuda")
-    pos = torch.tensor([[p] for _, p in picks], device="cuda")
+    q_b, k_b, v_b, pos, train = _gpu_decode_picks(lens, picks, max(lens))  # (q_b held: the graph below reads it)
     # the grid: one wave of per_sm programs an SM, so 16 splits each of the ~50 x 8 (sequence, kv
     # head) pairs across programs (the split path), and 0 leaves one program each; None: a wave of
     # fewer slots than pairs, the walks off their deeper ring, so the last wave's pairs split
@@ -985,24 +978,36 @@ def test_gpu_decode_tiles_give_the_training_bits(gpu_triton, monkeypatch, swap, 
         assert flat == (cfg["FLAT_STAGES"] if split_per_sm else 0), flat
     else:
         assert walks == pairs and stages == cfg["WALK_STAGES"], "the walk should take WALK_STAGES here"
-    out = K.causal_attention(q[rows][:, None], k_b, v_b, pos)[:, 0]
-    differ = (out != train[rows]).flatten(1).any(1)
+    out = K.causal_attention(q_b, k_b, v_b, pos)[:, 0]
+    differ = (out != train).flatten(1).any(1)
     assert not differ.any(), f"decoded tokens differ from training at (sequence, position) " \
                              f"{[picks[i] for i in differ.nonzero().flatten().tolist()]}"
     # replayed from a CUDA graph: each merging program leaves its ticket at zero for the next replay
     # (a call on the capture stream first makes the stream's counters outside the graph, so the
     # graph holds no memset of them)
-    q_b = q[rows][:, None]  # (held: the graph reads it at every replay)
-    graph, captured = _captured_decode(q_b, k_b, v_b, pos)
-    for _ in range(3):
-        graph.replay()
-        assert torch.equal(captured, out)
+    assert _replays_give(out, q_b, k_b, v_b, pos)
 
 
-def _captured_decode(q_b, k_b, v_b, pos):
-    """(graph, its output) of causal_attention's decode captured in a CUDA graph, after a call on the
-    capture stream outside it. The graph reads q_b, k_b, v_b and pos where they are: the caller
-    keeps them."""
+def _gpu_decode_picks(lens, picks, width=None):
+    """Decode steps at Qwen3-8B's heads (bf16, on the GPU) from packed sequences of `lens` tokens:
+    pick (r, p) is sequence r's query at position p over its keys 0 .. p, in a batch padded to
+    `width` keys (default: the longest pick's). Returns (q_b [B, 1, 32, 128], k_b, v_b, pos [B, 1],
+    the picks' training outputs [B, 32, 128])."""
+    q, k, v, cu = _packed(lens, 32, 8, 128, torch.bfloat16, "cuda")
+    train = K.varlen_attention(q, k, v, cu)
+    width = width or max(p for _, p in picks) + 1
+    k_b, v_b = k.new_zeros(len(picks), width, 8, 128), v.new_zeros(len(picks), width, 8, 128)
+    for i, (r, p) in enumerate(picks):
+        k_b[i, : p + 1], v_b[i, : p + 1] = k[cu[r]: cu[r] + p + 1], v[cu[r]: cu[r] + p + 1]
+    rows = torch.tensor([int(cu[r]) + p for r, p in picks], device="cuda")
+    pos = torch.tensor([[p] for _, p in picks], device="cuda")
+    return q[rows][:, None].contiguous(), k_b, v_b, pos, train[rows]
+
+
+def _replays_give(out, q_b, k_b, v_b, pos, replays=3):
+    """Whether causal_attention's decode, captured in a CUDA graph after a call on the capture stream
+    outside it, gives `out` at each of `replays` replays (its output zeroed before each). The graph
+    reads q_b, k_b, v_b and pos where they are: the caller keeps them."""
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -1010,7 +1015,12 @@ def _captured_decode(q_b, k_b, v_b, pos):
     stream.synchronize()
     with torch.cuda.graph(graph, stream=stream):
         captured = K.causal_attention(q_b, k_b, v_b, pos)[:, 0]
-    return graph, captured
+    for _ in range(replays):
+        captured.zero_()
+        graph.replay()
+        if not torch.equal(captured, out):
+            return False
+    return True
 
 
 @pytest.mark.gpu
@@ -1030,32 +1040,20 @@ def test_gpu_mid_merge_gives_the_training_bits(gpu_triton, monkeypatch, lens, pi
     table = A.TUNING["decode"]
     assert table["MID_MERGE"]
     mid = _recorded_decode_flags(A, monkeypatch, "MID_MERGE")
-    q, k, v, cu = _packed(lens, 32, 8, 128, torch.bfloat16, "cuda")
-    train = K.varlen_attention(q, k, v, cu)
-    width = max(p for _, p in picks) + 1
-    k_b, v_b = k.new_zeros(len(picks), width, 8, 128), v.new_zeros(len(picks), width, 8, 128)
-    for i, (r, p) in enumerate(picks):
-        k_b[i, : p + 1], v_b[i, : p + 1] = k[cu[r]: cu[r] + p + 1], v[cu[r]: cu[r] + p + 1]
-    rows = torch.tensor([int(cu[r]) + p for r, p in picks], device="cuda")
-    pos = torch.tensor([[p] for _, p in picks], device="cuda")
-    q_b = q[rows][:, None].contiguous()
+    q_b, k_b, v_b, pos, train = _gpu_decode_picks(lens, picks)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    walks, per_split, _, _ = A._decode_grid(len(picks) * 8, -(-width // A.KV_CHUNK), sms, table)
+    walks, per_split, _, _ = A._decode_grid(len(picks) * 8, -(-k_b.shape[1] // A.KV_CHUNK), sms, table)
     needs = [p // A.KV_CHUNK + 1 for _, p in picks]
     assert walks == 0 and any(n > per_split and n % per_split for n in needs), (walks, per_split, needs)
     out = K.causal_attention(q_b, k_b, v_b, pos)[:, 0]
     assert mid == [table["num_warps"]], mid
-    differ = (out != train[rows]).flatten(1).any(1)
+    differ = (out != train).flatten(1).any(1)
     assert not differ.any(), f"decoded tokens differ from training at {[picks[i] for i in differ.nonzero().flatten()]}"
     assert not torch.count_nonzero(A.zeroed_tickets(torch.device("cuda"), 1))
     monkeypatch.setitem(A.TUNING, "decode", {**table, "MID_MERGE": False})
     assert torch.equal(K.causal_attention(q_b, k_b, v_b, pos)[:, 0], out) and mid[-1] == 0, mid
     monkeypatch.setitem(A.TUNING, "decode", table)
-    graph, captured = _captured_decode(q_b, k_b, v_b, pos)
-    for _ in range(3):
-        captured.zero_()
-        graph.replay()
-        assert torch.equal(captured, out)
+    assert _replays_give(out, q_b, k_b, v_b, pos)
 
 
 @pytest.mark.gpu
@@ -1081,16 +1079,8 @@ def test_gpu_clustered_decode_gives_the_training_bits(gpu_triton, monkeypatch, l
     monkeypatch.setitem(A.TUNING, "decode", table)
     launched, real = [], _cluster.cluster_launch
     monkeypatch.setattr(_cluster, "cluster_launch", lambda *a, **kw: launched.append(real(*a, **kw)) or launched[-1])
-    q, k, v, cu = _packed(lens, 32, 8, 128, torch.bfloat16, "cuda")
-    train = K.varlen_attention(q, k, v, cu)
-    width = max(p for _, p in picks) + 1
-    k_b, v_b = k.new_zeros(len(picks), width, 8, 128), v.new_zeros(len(picks), width, 8, 128)
-    for i, (r, p) in enumerate(picks):
-        k_b[i, : p + 1], v_b[i, : p + 1] = k[cu[r]: cu[r] + p + 1], v[cu[r]: cu[r] + p + 1]
-    rows = torch.tensor([int(cu[r]) + p for r, p in picks], device="cuda")
-    pos = torch.tensor([[p] for _, p in picks], device="cuda")
-    q_b = q[rows][:, None].contiguous()
-    pairs, n_chunks = len(picks) * 8, -(-width // A.KV_CHUNK)
+    q_b, k_b, v_b, pos, train = _gpu_decode_picks(lens, picks)
+    pairs, n_chunks = len(picks) * 8, -(-k_b.shape[1] // A.KV_CHUNK)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     _, per_split, _, _ = A._decode_grid(pairs, n_chunks, sms, table)
     assert A._decode_cluster(n_chunks, per_split, pairs, sms, 128, table) == cluster, per_split
@@ -1098,14 +1088,10 @@ def test_gpu_clustered_decode_gives_the_training_bits(gpu_triton, monkeypatch, l
         assert A._decode_cluster(n_chunks, per_split, pairs, sms, 128, shipped) == 1
     out = K.causal_attention(q_b, k_b, v_b, pos)[:, 0]
     assert launched == [True], launched
-    differ = (out != train[rows]).flatten(1).any(1)
+    differ = (out != train).flatten(1).any(1)
     assert not differ.any(), f"decoded tokens differ from training at {[picks[i] for i in differ.nonzero().flatten()]}"
     monkeypatch.setitem(A.TUNING, "decode", {**table, "CLUSTER_MAX": 0})
     assert torch.equal(K.causal_attention(q_b, k_b, v_b, pos)[:, 0], out) and launched == [True], launched
     monkeypatch.setitem(A.TUNING, "decode", table)
-    graph, captured = _captured_decode(q_b, k_b, v_b, pos)
-    for _ in range(3):
-        captured.zero_()
-        graph.replay()
-        assert torch.equal(captured, out)
+    assert _replays_give(out, q_b, k_b, v_b, pos)
     assert launched == [True] * 3, launched
