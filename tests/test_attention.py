@@ -452,9 +452,11 @@ if triton is not None:  # test_decode_mid_merge_keeps_the_bits_and_the_counters'
     _MID_MERGE = _A._mid_merge
 
     @triton.jit
-    def _mid_merge_of_one_state_fewer(part_m, part_l, part_acc, stored, tail, n_chunks, early, GROUP: tl.constexpr,
-                                      MERGE_ROWS: tl.constexpr, D: tl.constexpr, SIGNALS: tl.constexpr):
-        _MID_MERGE(part_m, part_l, part_acc, stored, tail, n_chunks, early - 1, GROUP, MERGE_ROWS, D, SIGNALS)
+    def _mid_merge_of_one_state_fewer(part_m, part_l, part_acc, stored, tail, n_chunks, early, programs,
+                                      GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr,
+                                      SIGNALS: tl.constexpr):
+        _MID_MERGE(part_m, part_l, part_acc, stored, tail, n_chunks, early - 1, programs, GROUP, MERGE_ROWS, D,
+                   SIGNALS)
 
     @triton.jit
     def _never_counted(stored, SIGNALS: tl.constexpr):
@@ -1031,10 +1033,11 @@ def test_gpu_mid_merge_gives_the_training_bits(gpu_triton, monkeypatch, lens, pi
     """Split pairs whose chunks take several rounds of their programs, the last round part full (a
     batch of 1-3 at 4k-16k keys: 64 chunks on 33 programs a pair on 132 SMs), merge the earlier
     rounds' states early (MID_MERGE: the pair's last program, whose chunks end a round before the
-    others', counting the states its pair's warps have stored); the last merge goes on from that
-    running state. Each decoded token equals its training output bit for bit, as without the early
-    merge, eagerly and replayed from a CUDA graph, and every counter the eager launch took is zero
-    again. The grid must hold such a pair on this GPU (the bits alone would not tell)."""
+    others', once every warp of the pair's programs has counted its early states); the last merge
+    goes on from that running state. Each decoded token equals its training output bit for bit, as
+    without the early merge, eagerly and replayed from a CUDA graph, and every counter the eager
+    launch took is zero again. The grid must hold such a pair on this GPU (the bits alone would not
+    tell)."""
     from lockstep.kernels._triton import attention as A
 
     table = A.TUNING["decode"]

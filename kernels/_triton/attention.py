@@ -618,24 +618,26 @@ def _walk(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, 
 
 @triton.jit
 def _store_chunk_state(part_m, part_l, part_acc, slot, keep, m, l, acc, D: tl.constexpr, SWAP: tl.constexpr,
-                       stored=None, chunk=0, early=0, SIGNALS: tl.constexpr = 1):
+                       stored=None, chunk=0, stride=1, early=0, SIGNALS: tl.constexpr = 1):
     """A split decode program's chunk state (_chunk_state's) at rows `slot` of the states, its group's
-    rows (keep) only. stored: the pair's counter of early chunks' states (_mid_merge), counted
-    (_count_stored) where `chunk` is one of the first `early`."""
+    rows (keep) only. stored: its pair's counter of programs done with their early chunks (the first
+    `early`: _mid_merge's), counted (_count_stored) where `chunk` is this program's last early one (its
+    next, chunk + stride, is not early)."""
     tl.store(part_m + slot, m, mask=keep)
     tl.store(part_l + slot, l, mask=keep)
     tl.store(part_acc + _tile_offsets(slot, D, SWAP), acc, mask=_col(keep, SWAP))
     if stored is not None:
-        if chunk < early:
+        if (chunk < early) & (chunk + stride >= early):
             _count_stored(stored, SIGNALS)
 
 
 @triton.jit
 def _count_stored(stored, SIGNALS: tl.constexpr):
-    """Count a chunk state stored at `stored` (its pair's counter), after every thread's stores of it:
-    SIGNALS > 1, each warp's lane 0 adds 1 (release) after the warp's barrier (bar.warp.sync: its
-    lanes' stores ordered before lane 0's release), so that a state adds SIGNALS (the warps); 1 (the
-    interpreter: no warps) one release a program. Not a CTA barrier: inside a software-pipelined loop
+    """Count a program's early chunk states stored at `stored` (its pair's counter), after every
+    thread's stores of them: SIGNALS > 1, each warp's lane 0 adds 1 (release) after the warp's barrier
+    (bar.warp.sync: its lanes' stores ordered before lane 0's release), so that a program adds SIGNALS
+    (its warps); 1 (the interpreter: no warps) one release a program. Once a program: a release waits
+    for the warp's stores (ptxas: MEMBAR.GPU). Not a CTA barrier: inside a software-pipelined loop
     (_split_states) Triton's pipeliner leaves a loop with one unpipelined (Triton 3.6, sm_90a)."""
     if SIGNALS == 1:
         tl.atomic_add(stored, 1, sem="release", scope="gpu")
@@ -664,7 +666,7 @@ def _split_states(q, pos, hi, chunk0, stride, mine, k, v, page_row, page_size, s
         m, l, acc = _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK, SWAP)
         if ((i + 1) % BLOCKS == 0) | (i == n_blocks - 1):
             _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, _tile_sums(l, SWAP), acc,
-                               D, SWAP, stored, chunk, early, SIGNALS)
+                               D, SWAP, stored, chunk, stride, early, SIGNALS)
             m, l, acc = _empty_state(ROWS, D, SWAP)
 
 
@@ -776,23 +778,23 @@ def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_ne
 
 
 @triton.jit
-def _mid_merge(part_m, part_l, part_acc, stored, tail, n_chunks, early, GROUP: tl.constexpr,
+def _mid_merge(part_m, part_l, part_acc, stored, tail, n_chunks, early, programs, GROUP: tl.constexpr,
                MERGE_ROWS: tl.constexpr, D: tl.constexpr, SIGNALS: tl.constexpr):
     """A split pair's early chunk states (0 .. early - 1: the rounds of its programs before the last,
     part-full one) merged in chunk order by a program with no chunk in that last round, while the
-    others fold theirs: it waits until the pair's counter of early states stored (`stored`, SIGNALS a
-    state: _count_stored) reaches `early` states, merges them from empty, stores the running state
-    over chunk early - 1's and adds _MID_DONE to the counter, so that the last merge
-    (_merge_chunk_states' prefix) goes on from it.
+    others fold theirs: it waits until the pair's counter (`stored`: _count_stored's, SIGNALS a
+    program) says that every one of its `programs` programs stored its early states, merges them from
+    empty, stores the running state over chunk early - 1's and adds _MID_DONE to the counter, so that
+    the last merge (_merge_chunk_states' prefix) goes on from it.
     The wait polls at most _MID_POLLS times (a pair whose other programs are not all resident: the
     grid is one wave of programs, so only a GPU shared with other work leaves them waiting), then
     gives up: the last merge then merges every state (the same bits either way)."""
     seen = tl.atomic_add(stored, 0, sem="acquire", scope="gpu")
     polls = 0
-    while (seen < early * SIGNALS) & (polls < _MID_POLLS):
+    while (seen < programs * SIGNALS) & (polls < _MID_POLLS):
         seen = tl.atomic_add(stored, 0, sem="acquire", scope="gpu")
         polls += 1
-    if seen >= early * SIGNALS:
+    if seen >= programs * SIGNALS:
         g = tl.arange(0, MERGE_ROWS)
         first_g = (tail * n_chunks).to(tl.int64) * GROUP + g % GROUP
         m_t, l_t, acc_t = _fold_chunk_states(part_m, part_l, part_acc, first_g, 0, early,
@@ -835,7 +837,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     its chunk's state in its own shared memory, the cluster meets at its barrier, and each merges its
     share of the columns from every CTA's state (_merge_chunk_states), instead of the states going
     through memory and a ticket (a CTA past the sequence's chunks only merges). MID_MERGE (not
-    ONE_CHUNK; 0: off, else the counts a chunk state adds to its pair's counter: _count_stored's
+    ONE_CHUNK; 0: off, else the counts a program adds to its pair's counter: _count_stored's
     SIGNALS): where a pair's chunks take several rounds of its programs and the last round is part
     full, the pair's last program merges the earlier rounds' states while the others fold their last
     chunks (_mid_merge), and the last merge goes on from there: the same merges in the same order."""
@@ -932,17 +934,18 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
             m, l, acc = _chunk_state(q_tile, pos, hi, p, k, v, page_row, page_size, stride_page, stride_slot,
                                      qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT, first_pages)
             _store_chunk_state(part_m, part_l, part_acc, first + p * GROUP, keep, m, l, acc, D, SWAP, stored, p,
-                               early, MID_MERGE)
+                               per_split, early, MID_MERGE)
             if not ONE_CHUNK:
                 for chunk in range(p + per_split, n_need, per_split):
                     m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page,
                                              stride_slot, qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT)
                     _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, l, acc, D, SWAP,
-                                       stored, chunk, early, MID_MERGE)
+                                       stored, chunk, per_split, early, MID_MERGE)
         add = mine  # the ticket: this program's chunk states, and _mid_merge's running state (one more)
         if MID_MERGE:
             if (spin > 0) & (p == per_split - 1):
-                _mid_merge(part_m, part_l, part_acc, stored, tail, n_chunks, early, GROUP, MERGE_ROWS, D, MID_MERGE)
+                _mid_merge(part_m, part_l, part_acc, stored, tail, n_chunks, early, per_split, GROUP, MERGE_ROWS, D,
+                           MID_MERGE)
                 add = mine + 1
         tl.debug_barrier()  # every thread's stores precede the release
         ticket = tl.atomic_add(tickets + tail, add, sem="acq_rel", scope="gpu")
@@ -1977,7 +1980,7 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
                   KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"],
                   FROM_LENS=queries.from_lens, SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size),
                   FLAT_STAGES=flat_stages, ONE_CHUNK=one_chunk, num_warps=cfg["num_warps"], num_stages=stages)
-    # MID_MERGE's counts a chunk state: one a warp (no warps in the interpreter: one)
+    # MID_MERGE's counts a program: one a warp (no warps in the interpreter: one)
     mid_merge = (1 if INTERPRETING else cfg["num_warps"]) if split and not one_chunk and cfg["MID_MERGE"] else 0
     cluster = _decode_cluster(n_chunks, per_split if one_chunk and not walks else 0, pairs,
                               resident_programs(q.device), d, cfg)
