@@ -20,12 +20,6 @@ import torch
 
 import lockstep.kernels as K
 
-try:  # (jit functions a test defines see `tl` among their module's globals, as the interpreter asks)
-    import triton
-    import triton.language as tl
-except ImportError:  # the tests that need Triton skip (_use_triton)
-    triton = tl = None
-
 # Triton's interpreter turns loop bounds computed in a kernel into ints through a numpy call that
 # numpy deprecates; harmless, and not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -392,75 +386,6 @@ def test_tuning_never_changes_a_bit(triton_backend, monkeypatch):
             chunks = -(-n // triton_backend.KV_CHUNK)
             assert grids[-1] == (0, min(4, chunks), triton_backend.TUNING["decode"]["SPLIT_STAGES"], flat), grids[-1]
             assert one_chunk[-1] == (chunks <= 4), (n, one_chunk)
-
-
-def test_decode_mid_merge_keeps_the_bits_and_the_counters(triton_backend, monkeypatch):
-    """A split pair whose chunks take several rounds of its programs, the last round part full, has
-    its last program merge the earlier rounds' states while the others fold their last chunks
-    (MID_MERGE, _mid_merge), the last merge going on from that running state: 10 chunks on 4 programs
-    (rounds of 4, 4, 2: the first 8 merged early, by a program of two chunks), 5 and 7 chunks (the
-    first 4, by a program of one), and 4 (one round: no early merge), in one loop over a program's
-    blocks (FLAT_STAGES) or a loop a chunk. Every decoded row keeps training's bits; the counters the
-    launch used are zero again. Negative controls: an early merge of one state fewer (its running
-    state stored where the last merge looks for it) changes the rows, so the last merge does go on
-    from it; a count that never arrives makes the early merge give up after _MID_POLLS polls, and
-    the last merge then merges every state, with the same bits."""
-    A = triton_backend
-    assert A.TUNING["decode"]["MID_MERGE"]
-    mid = _recorded_decode_flags(A, monkeypatch, "MID_MERGE")
-
-    def decode(n):
-        q, k, v, cu = _packed([n], 4, 1, 16, device=TRITON_DEVICE)
-        got = K.causal_attention(q[None, n - 1:], k[None], v[None], torch.tensor([[n - 1]], device=TRITON_DEVICE))
-        return got[0, 0], K.varlen_attention(q, k, v, cu)[n - 1]
-
-    def counters_zero():
-        return not torch.count_nonzero(A.zeroed_tickets(torch.device(TRITON_DEVICE), 1))
-
-    for flat in (0, 5):
-        monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "PROGRAMS_PER_SM": 1, "SPLIT_PER_SM": 1,
-                                                 "FLAT_STAGES": flat})
-        for n in (300, 150, 220, 100):
-            chunks = -(-n // A.KV_CHUNK)
-            assert chunks in (10, 5, 7, 4)
-            got, train = decode(n)
-            # (4 chunks: the kernel built for one chunk a program, which has no early merge)
-            assert mid[-1] == (chunks > 4) and torch.equal(got, train), (n, flat)
-            assert counters_zero(), (n, flat)
-
-        if TRITON_DEVICE != "cpu":  # (the controls replace jit functions: the interpreter calls them by name)
-            continue
-        real_count, real_polls = A._count_stored, A._MID_POLLS
-        monkeypatch.setattr(A, "_mid_merge", _mid_merge_of_one_state_fewer)
-        for n in (300, 150):
-            got, train = decode(n)
-            assert not torch.equal(got, train), (n, flat)
-        monkeypatch.setattr(A, "_mid_merge", _MID_MERGE)
-        monkeypatch.setattr(A, "_count_stored", _never_counted)
-        monkeypatch.setattr(A, "_MID_POLLS", tl.constexpr(3))
-        for n in (300, 150):
-            got, train = decode(n)
-            assert torch.equal(got, train), (n, flat)
-            assert counters_zero(), (n, flat)
-        monkeypatch.setattr(A, "_count_stored", real_count)
-        monkeypatch.setattr(A, "_MID_POLLS", real_polls)
-
-
-if triton is not None:  # test_decode_mid_merge_keeps_the_bits_and_the_counters' negative controls
-    from lockstep.kernels._triton import attention as _A
-
-    _MID_MERGE = _A._mid_merge
-
-    @triton.jit
-    def _mid_merge_of_one_state_fewer(part_m, part_l, part_acc, stored, tail, n_chunks, early, programs,
-                                      GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr,
-                                      SIGNALS: tl.constexpr):
-        _MID_MERGE(part_m, part_l, part_acc, stored, tail, n_chunks, early - 1, programs, GROUP, MERGE_ROWS, D,
-                   SIGNALS)
-
-    @triton.jit
-    def _never_counted(stored, SIGNALS: tl.constexpr):
-        pass
 
 
 def test_decode_split_two_ways_and_a_wave_of_walks_keep_the_bits(triton_backend, monkeypatch):
@@ -1023,40 +948,6 @@ def _replays_give(out, q_b, k_b, v_b, pos, replays=3):
         if not torch.equal(captured, out):
             return False
     return True
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("lens,picks", [([16384], [(0, 16383)]), ([16384, 10000], [(0, 16383), (1, 9999)]),
-                                        ([16384], [(0, 16383), (0, 9000), (0, 4000)])],
-                         ids=["1x16k", "2x16k-10k", "3x16k-9k-4k"])
-def test_gpu_mid_merge_gives_the_training_bits(gpu_triton, monkeypatch, lens, picks):
-    """Split pairs whose chunks take several rounds of their programs, the last round part full (a
-    batch of 1-3 at 4k-16k keys: 64 chunks on 33 programs a pair on 132 SMs), merge the earlier
-    rounds' states early (MID_MERGE: the pair's last program, whose chunks end a round before the
-    others', once every warp of the pair's programs has counted its early states); the last merge
-    goes on from that running state. Each decoded token equals its training output bit for bit, as
-    without the early merge, eagerly and replayed from a CUDA graph, and every counter the eager
-    launch took is zero again. The grid must hold such a pair on this GPU (the bits alone would not
-    tell)."""
-    from lockstep.kernels._triton import attention as A
-
-    table = A.TUNING["decode"]
-    assert table["MID_MERGE"]
-    mid = _recorded_decode_flags(A, monkeypatch, "MID_MERGE")
-    q_b, k_b, v_b, pos, train = _gpu_decode_picks(lens, picks)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    walks, per_split, _, _ = A._decode_grid(len(picks) * 8, -(-k_b.shape[1] // A.KV_CHUNK), sms, table)
-    needs = [p // A.KV_CHUNK + 1 for _, p in picks]
-    assert walks == 0 and any(n > per_split and n % per_split for n in needs), (walks, per_split, needs)
-    out = K.causal_attention(q_b, k_b, v_b, pos)[:, 0]
-    assert mid == [table["num_warps"]], mid
-    differ = (out != train).flatten(1).any(1)
-    assert not differ.any(), f"decoded tokens differ from training at {[picks[i] for i in differ.nonzero().flatten()]}"
-    assert not torch.count_nonzero(A.zeroed_tickets(torch.device("cuda"), 1))
-    monkeypatch.setitem(A.TUNING, "decode", {**table, "MID_MERGE": False})
-    assert torch.equal(K.causal_attention(q_b, k_b, v_b, pos)[:, 0], out) and mid[-1] == 0, mid
-    monkeypatch.setitem(A.TUNING, "decode", table)
-    assert _replays_give(out, q_b, k_b, v_b, pos)
 
 
 @pytest.mark.gpu

@@ -191,7 +191,15 @@ TUNING = {
     # Measured, not kept (H100, ab_decode.py, bits equal): a one-chunk split program asking L2 for its
     # whole chunk before its ring's loads (the forty-fourth session: 1.06-1.25x the time at batch 1-8 x
     # 1k-4k), and idle SMs' helper programs asking L2 for a chunk's last blocks (the forty-sixth:
-    # 1.002-1.012x at batch 1-2 x 512-1k)
+    # 1.002-1.012x at batch 1-2 x 512-1k). Nor (the forty-eighth, e5880f5, other / this, the ticketed
+    # split the other): where a pair's chunks take several rounds of its programs, the last part full,
+    # its last program (idle a round early) merging the earlier rounds' states while the others fold
+    # their last chunks, once each program's warps had counted their early states (a release a warp,
+    # MEMBAR.GPU, inside _split_states' pipelined loop: a CTA barrier there leaves that loop
+    # unpipelined), the last merge going on from its running state: batch 1 x 16k / 10k 1.015-1.023 /
+    # 1.023x (the table 0.873x cuDNN), 1 x 32k 0.939x, and where no pair merged early that kernel's
+    # code cost 2 x 16k / 4 x 8k 0.977 / 0.985x. The early states wait for the round's slowest program
+    # (probe_decode.py: block periods 2.5 us median, 9.5 max, at 1 x 16k)
     # CLUSTER_MAX: a grid of splits alone whose programs each fold one chunk (ONE_CHUNK) runs each pair's
     # programs as one thread-block cluster (sm_90+, _cluster.py) of the power of two of CTAs that holds
     # its chunks, if that is at most CLUSTER_MAX (0: never): each CTA keeps its chunk's state in its
@@ -207,14 +215,9 @@ TUNING = {
     # half its shared memory) 0.996-1.013x at batch 1-2. Multi-chunk CTAs in clusters (8 or 16 a pair,
     # so fewer programs than the split's) lost: 1 x 4k 0.62 / 0.83x, 1 x 16k 0.73 / 0.89x (8 / 16 a
     # cluster)
-    # MID_MERGE: a split pair whose chunks take several rounds of its programs, the last round part
-    # full (batch 1 x 16k on an H100: 64 chunks on 33 programs, 31 in the second round), has its last
-    # program, which has no chunk in that round, merge the earlier rounds' states (the first 33) while
-    # the other programs fold their last chunks; the pair's last merge then goes on from that running
-    # state (31 states instead of 64: ~100 ns a state, the merge ~6.6 us of the ticketed split's 34.5)
     "decode": dict(SWAP=True, MIN_ROWS=64, PROGRAMS_PER_SM=3, num_warps=4, num_stages=2, PREFETCH=False,
                    WALK_STAGES=5, WALK_PER_SM=2, SPLIT_TAIL=True, SPLIT_STAGES=3, SPLIT_PER_SM=2, FLAT_STAGES=5,
-                   WALK_FILL=0.72, CLUSTER_MAX=8, CLUSTER_FILL=0.75, MID_MERGE=True),
+                   WALK_FILL=0.72, CLUSTER_MAX=8, CLUSTER_FILL=0.75),
     # one program per (sequence, kv head, BLOCK_KV keys), looping over BLOCK_Q-row query tiles.
     # sweep_attention.py, H200, 4 x 4,096 packed tokens, the whole backward: 128 keys x 64 rows at 8
     # warps 1.29x faster than the former 64 x 64 (8.30 -> 6.44 ms, old dQ tiles); with the dQ row
@@ -258,11 +261,6 @@ _SUM_COLS = tl.constexpr(16)  # width of the ones matrix that computes row sums 
 _WGMMA_M = 64
 _SUM_ROWS = tl.constexpr(_WGMMA_M)  # swapped tiles: height of the ones matrix (the row-sum dot's M side)
 _MERGE_AHEAD = tl.constexpr(8)  # chunk states a split decode's merge loads before merging the first of them
-_MID_POLLS = tl.constexpr(1 << 14)  # _mid_merge's polls of its counter before it gives up (~1 us each)
-_MID_DONE = tl.constexpr(1 << 24)  # what _mid_merge adds to its counter: the prefix is stored
-_WARP_COUNT = tl.constexpr("{\n\t.reg .pred p;\n\t.reg .u32 lane;\n\tbar.warp.sync -1;\n\t"  # _count_stored's
-                           "mov.u32 lane, %laneid;\n\tsetp.eq.u32 p, lane, 0;\n\t"
-                           "@p red.release.gpu.global.add.s32 [$1], 1;\n\tmov.u32 $0, 0;\n\t}")
 _LOG2E = 1.4426950408889634
 
 
@@ -617,44 +615,23 @@ def _walk(q_tile, pos, hi, k, v, page_row, page_size, stride_page, stride_slot, 
 
 
 @triton.jit
-def _store_chunk_state(part_m, part_l, part_acc, slot, keep, m, l, acc, D: tl.constexpr, SWAP: tl.constexpr,
-                       stored=None, chunk=0, stride=1, early=0, SIGNALS: tl.constexpr = 1):
+def _store_chunk_state(part_m, part_l, part_acc, slot, keep, m, l, acc, D: tl.constexpr, SWAP: tl.constexpr):
     """A split decode program's chunk state (_chunk_state's) at rows `slot` of the states, its group's
-    rows (keep) only. stored: its pair's counter of programs done with their early chunks (the first
-    `early`: _mid_merge's), counted (_count_stored) where `chunk` is this program's last early one (its
-    next, chunk + stride, is not early)."""
+    rows (keep) only."""
     tl.store(part_m + slot, m, mask=keep)
     tl.store(part_l + slot, l, mask=keep)
     tl.store(part_acc + _tile_offsets(slot, D, SWAP), acc, mask=_col(keep, SWAP))
-    if stored is not None:
-        if (chunk < early) & (chunk + stride >= early):
-            _count_stored(stored, SIGNALS)
-
-
-@triton.jit
-def _count_stored(stored, SIGNALS: tl.constexpr):
-    """Count a program's early chunk states stored at `stored` (its pair's counter), after every
-    thread's stores of them: SIGNALS > 1, each warp's lane 0 adds 1 (release) after the warp's barrier
-    (bar.warp.sync: its lanes' stores ordered before lane 0's release), so that a program adds SIGNALS
-    (its warps); 1 (the interpreter: no warps) one release a program. Once a program: a release waits
-    for the warp's stores (ptxas: MEMBAR.GPU). Not a CTA barrier: inside a software-pipelined loop
-    (_split_states) Triton's pipeliner leaves a loop with one unpipelined (Triton 3.6, sm_90a)."""
-    if SIGNALS == 1:
-        tl.atomic_add(stored, 1, sem="release", scope="gpu")
-    else:
-        tl.inline_asm_elementwise(_WARP_COUNT, "=r,l", [stored.to(tl.int64, bitcast=True)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
 
 
 @triton.jit
 def _split_states(q, pos, hi, chunk0, stride, mine, k, v, page_row, page_size, stride_page, stride_slot, qk_scale,
-                  part_m, part_l, part_acc, first, keep, stored, early, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                  D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr, SWAP: tl.constexpr,
-                  PAGE_SHIFT: tl.constexpr, STAGES: tl.constexpr, SIGNALS: tl.constexpr):
+                  part_m, part_l, part_acc, first, keep, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                  KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr,
+                  STAGES: tl.constexpr):
     """A split program's `mine` chunks chunk0, chunk0 + stride, ... (program p of P: p, P) in one
     pipelined loop over their blocks, each chunk's state folded from empty and stored at its last
     block (or the last that holds keys): _chunk_state's operations in its order, without a pipeline
-    restart at every chunk. stored, early, SIGNALS: _store_chunk_state's."""
+    restart at every chunk."""
     BLOCKS: tl.constexpr = KV_CHUNK // KV_BLOCK
     last = chunk0 + (mine - 1) * stride  # only the sequence's last chunk can end before its last block
     n_blocks = (mine - 1) * BLOCKS + (tl.minimum(hi - last * KV_CHUNK, KV_CHUNK - 1) // KV_BLOCK + 1)
@@ -666,7 +643,7 @@ def _split_states(q, pos, hi, chunk0, stride, mine, k, v, page_row, page_size, s
         m, l, acc = _fold_block(q, kb, vb, key_pos, pos, m, l, acc, qk_scale, KV_BLOCK, SWAP)
         if ((i + 1) % BLOCKS == 0) | (i == n_blocks - 1):
             _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, _tile_sums(l, SWAP), acc,
-                               D, SWAP, stored, chunk, stride, early, SIGNALS)
+                               D, SWAP)
             m, l, acc = _empty_state(ROWS, D, SWAP)
 
 
@@ -699,11 +676,23 @@ def _keep_chunk_state(keep, m, l, acc, D: tl.constexpr, SWAP: tl.constexpr, MERG
 
 
 @triton.jit
-def _fold_chunk_states(part_m, part_l, part_acc, first_g, start, stop, m_t, l_t, acc_t, g, cols,
-                       GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr, CLUSTER: tl.constexpr = 1):
-    """Chunk states start .. stop - 1 of a split pair (rows first_g of chunk 0's; with CLUSTER > 1 the
-    cluster buffers' columns `cols`, chunk c's in CTA c's: _keep_chunk_state) merged in chunk order
-    into the running state (m_t, l_t, acc_t), which is returned."""
+def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
+                        GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr, CLUSTER: tl.constexpr = 1,
+                        rank=0):
+    """The n_need chunk states of split pair `tail` merged in chunk order and its rows stored (by the
+    last of the pair's programs). The merge is elementwise per row: only the group's real rows (a
+    power of two >= GROUP). CLUSTER > 1: CTA `rank` of the pair's cluster merges its share of the
+    columns (D / CLUSTER of them, from rank * D / CLUSTER), chunk c's state read from the cluster
+    buffer of CTA c (_keep_chunk_state; part_m, part_l, part_acc, tail and n_chunks unused): the same
+    merges of the same values, in the same order."""
+    W: tl.constexpr = D // CLUSTER
+    g = tl.arange(0, MERGE_ROWS)
+    cols = rank * W + tl.arange(0, W)
+    tok_g, head_g = _rows(g, begin, 1, kv_head, GROUP)
+    first_g = (tail * n_chunks).to(tl.int64) * GROUP + g % GROUP
+    m_t = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
+    l_t = tl.zeros((MERGE_ROWS,), tl.float32)
+    acc_t = tl.zeros((MERGE_ROWS, W), tl.float32)
     # chunk order, _MERGE_AHEAD states a step: their loads are independent of the merges, so they are
     # all in flight before the first merge needs one; a state past the last is loaded masked and its
     # merge's result not kept (a select: exact). Plain loads: the ticket's acquire orders them after
@@ -725,10 +714,10 @@ def _fold_chunk_states(part_m, part_l, part_acc, first_g, start, stop, m_t, l_t,
     # 1 x 1k-32k). ptxas issues all of a step's loads before its first merge at 8 states a step, not at
     # 12, 16 or 32 (their loads go out in 3-4 groups, each waited for): more states a step saves no
     # round trip. benchmarks/probe_decode.py --merge-forms times the loop's loads and arithmetic apart.
-    for c_step in range(start, stop, _MERGE_AHEAD):
+    for c_step in range(0, n_need, _MERGE_AHEAD):
         for i in tl.static_range(_MERGE_AHEAD):
             c = c_step + i
-            here = c < stop
+            here = c < n_need
             if CLUSTER > 1:
                 off_acc, off_m, off_l = _cluster_offsets(g, cols, D, False, MERGE_ROWS)
                 in_c, owner = here.to(tl.int32), tl.minimum(c, CLUSTER - 1)  # (a rank past the cluster: no address)
@@ -742,70 +731,8 @@ def _fold_chunk_states(part_m, part_l, part_acc, first_g, start, stop, m_t, l_t,
                 l_c = tl.load(part_l + at, mask=here, other=0.0)
             m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_c, l_c, acc_c, False)
             m_t, l_t, acc_t = tl.where(here, m_n, m_t), tl.where(here, l_n, l_t), tl.where(here, acc_n, acc_t)
-    return m_t, l_t, acc_t
-
-
-@triton.jit
-def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
-                        GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr, CLUSTER: tl.constexpr = 1,
-                        rank=0, prefix=0):
-    """The n_need chunk states of split pair `tail` merged in chunk order and its rows stored (by the
-    last of the pair's programs). The merge is elementwise per row: only the group's real rows (a
-    power of two >= GROUP). prefix > 0: the running state after chunks 0 .. prefix - 1 (_mid_merge's)
-    sits in chunk prefix - 1's slot, and the merge goes on from it: the same merges of the same
-    values, in the same order. CLUSTER > 1: CTA `rank` of the pair's cluster merges its share of the
-    columns (D / CLUSTER of them, from rank * D / CLUSTER), chunk c's state read from the cluster
-    buffer of CTA c (_keep_chunk_state; part_m, part_l, part_acc, tail, n_chunks and prefix unused):
-    the same merges of the same values, in the same order."""
-    W: tl.constexpr = D // CLUSTER
-    g = tl.arange(0, MERGE_ROWS)
-    cols = rank * W + tl.arange(0, W)
-    tok_g, head_g = _rows(g, begin, 1, kv_head, GROUP)
-    first_g = (tail * n_chunks).to(tl.int64) * GROUP + g % GROUP
-    if CLUSTER > 1:
-        m_t = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
-        l_t = tl.zeros((MERGE_ROWS,), tl.float32)
-        acc_t = tl.zeros((MERGE_ROWS, W), tl.float32)
-    else:  # the running state loaded (prefix > 0) or empty, exactly: a masked load's values are the empty state's
-        at = first_g + (prefix - 1) * GROUP
-        m_t = tl.load(part_m + at, mask=prefix > 0, other=float("-inf"))
-        l_t = tl.load(part_l + at, mask=prefix > 0, other=0.0)
-        acc_t = tl.load(part_acc + _tile_offsets(at, D, False), mask=prefix > 0, other=0.0)
-    m_t, l_t, acc_t = _fold_chunk_states(part_m, part_l, part_acc, first_g, prefix, n_need, m_t, l_t, acc_t, g,
-                                         cols, GROUP, MERGE_ROWS, D, CLUSTER)
     # (a cluster's CTAs each store every row's lse: the same bits, from the same merges of m and l)
     _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False, cols)
-
-
-@triton.jit
-def _mid_merge(part_m, part_l, part_acc, stored, tail, n_chunks, early, programs, GROUP: tl.constexpr,
-               MERGE_ROWS: tl.constexpr, D: tl.constexpr, SIGNALS: tl.constexpr):
-    """A split pair's early chunk states (0 .. early - 1: the rounds of its programs before the last,
-    part-full one) merged in chunk order by a program with no chunk in that last round, while the
-    others fold theirs: it waits until the pair's counter (`stored`: _count_stored's, SIGNALS a
-    program) says that every one of its `programs` programs stored its early states, merges them from
-    empty, stores the running state over chunk early - 1's and adds _MID_DONE to the counter, so that
-    the last merge (_merge_chunk_states' prefix) goes on from it.
-    The wait polls at most _MID_POLLS times (a pair whose other programs are not all resident: the
-    grid is one wave of programs, so only a GPU shared with other work leaves them waiting), then
-    gives up: the last merge then merges every state (the same bits either way)."""
-    seen = tl.atomic_add(stored, 0, sem="acquire", scope="gpu")
-    polls = 0
-    while (seen < programs * SIGNALS) & (polls < _MID_POLLS):
-        seen = tl.atomic_add(stored, 0, sem="acquire", scope="gpu")
-        polls += 1
-    if seen >= programs * SIGNALS:
-        g = tl.arange(0, MERGE_ROWS)
-        first_g = (tail * n_chunks).to(tl.int64) * GROUP + g % GROUP
-        m_t, l_t, acc_t = _fold_chunk_states(part_m, part_l, part_acc, first_g, 0, early,
-                                             tl.full((MERGE_ROWS,), float("-inf"), tl.float32),
-                                             tl.zeros((MERGE_ROWS,), tl.float32), tl.zeros((MERGE_ROWS, D), tl.float32),
-                                             g, tl.arange(0, D), GROUP, MERGE_ROWS, D)
-        tl.debug_barrier()  # every thread's loads of chunk early - 1's state precede the stores over it
-        _store_chunk_state(part_m, part_l, part_acc, first_g + (early - 1) * GROUP, g < GROUP, m_t, l_t, acc_t, D,
-                           False)
-        tl.debug_barrier()
-        tl.atomic_add(stored, _MID_DONE, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -815,8 +742,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
                          MERGE_ROWS: tl.constexpr, D: tl.constexpr, KV_BLOCK: tl.constexpr, KV_CHUNK: tl.constexpr,
                          WALKS: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
                          FROM_LENS: tl.constexpr, SWAP: tl.constexpr, PAGE_SHIFT: tl.constexpr,
-                         FLAT_STAGES: tl.constexpr, ONE_CHUNK: tl.constexpr, CLUSTER: tl.constexpr = 1,
-                         MID_MERGE: tl.constexpr = 0):
+                         FLAT_STAGES: tl.constexpr, ONE_CHUNK: tl.constexpr, CLUSTER: tl.constexpr = 1):
     """Single-query sequences, each (sequence, kv head) pair's rows the group's query heads. A grid
     with splits is 1-D: programs 0 .. n_walks - 1 walk pairs 0 .. n_walks - 1 whole, and each later
     pair is split across per_split programs (P); a grid of walks only is (1, kv heads, sequences). A
@@ -836,11 +762,7 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
     per_split = CLUSTER): each pair's programs are one thread-block cluster (_cluster.py): each keeps
     its chunk's state in its own shared memory, the cluster meets at its barrier, and each merges its
     share of the columns from every CTA's state (_merge_chunk_states), instead of the states going
-    through memory and a ticket (a CTA past the sequence's chunks only merges). MID_MERGE (not
-    ONE_CHUNK; 0: off, else the counts a program adds to its pair's counter: _count_stored's
-    SIGNALS): where a pair's chunks take several rounds of its programs and the last round is part
-    full, the pair's last program merges the earlier rounds' states while the others fold their last
-    chunks (_mid_merge), and the last merge goes on from there: the same merges in the same order."""
+    through memory and a ticket (a CTA past the sequence's chunks only merges)."""
     if SPLITS:
         pid = tl.program_id(0)
         if CLUSTER > 1:  # the cluster barrier's phase 0: every CTA arrives as it starts, before any return
@@ -918,45 +840,25 @@ def _decode_chunk_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, q
             mine = 1
         else:
             mine = (n_need - 1 - p) // per_split + 1
-        # MID_MERGE (several rounds of chunks a pair, the last part full): the pair's last program, which
-        # has no chunk in the last round, merges the earlier rounds' states while the others fold
-        # their last chunks (_mid_merge), and the last merge goes on from that running state
-        stored, early, spin = None, 0, 0
-        if MID_MERGE:
-            spin = ((n_need > per_split) & (n_need % per_split != 0)).to(tl.int32)
-            early = (n_need // per_split) * per_split * spin  # the states of the rounds before the last
-            stored = tickets + (tl.num_programs(0) - n_walks) // per_split + tail  # (after the split pairs' tickets)
         if (FLAT_STAGES and not ONE_CHUNK) and (mine > 1):
             _split_states(q_tile, pos, hi, p, per_split, mine, k, v, page_row, page_size, stride_page,
-                          stride_slot, qk_scale, part_m, part_l, part_acc, first, keep, stored, early, GROUP, ROWS,
-                          D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT, FLAT_STAGES, MID_MERGE)
+                          stride_slot, qk_scale, part_m, part_l, part_acc, first, keep, GROUP, ROWS, D, KV_BLOCK,
+                          KV_CHUNK, SWAP, PAGE_SHIFT, FLAT_STAGES)
         else:
             m, l, acc = _chunk_state(q_tile, pos, hi, p, k, v, page_row, page_size, stride_page, stride_slot,
                                      qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT, first_pages)
-            _store_chunk_state(part_m, part_l, part_acc, first + p * GROUP, keep, m, l, acc, D, SWAP, stored, p,
-                               per_split, early, MID_MERGE)
+            _store_chunk_state(part_m, part_l, part_acc, first + p * GROUP, keep, m, l, acc, D, SWAP)
             if not ONE_CHUNK:
                 for chunk in range(p + per_split, n_need, per_split):
                     m, l, acc = _chunk_state(q_tile, pos, hi, chunk, k, v, page_row, page_size, stride_page,
                                              stride_slot, qk_scale, ROWS, D, KV_BLOCK, KV_CHUNK, SWAP, PAGE_SHIFT)
-                    _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, l, acc, D, SWAP,
-                                       stored, chunk, per_split, early, MID_MERGE)
-        add = mine  # the ticket: this program's chunk states, and _mid_merge's running state (one more)
-        if MID_MERGE:
-            if (spin > 0) & (p == per_split - 1):
-                _mid_merge(part_m, part_l, part_acc, stored, tail, n_chunks, early, per_split, GROUP, MERGE_ROWS, D,
-                           MID_MERGE)
-                add = mine + 1
+                    _store_chunk_state(part_m, part_l, part_acc, first + chunk * GROUP, keep, m, l, acc, D, SWAP)
         tl.debug_barrier()  # every thread's stores precede the release
-        ticket = tl.atomic_add(tickets + tail, add, sem="acq_rel", scope="gpu")
-        if ticket + add == n_need + spin:  # this program stored the last of the chunk states
+        ticket = tl.atomic_add(tickets + tail, mine, sem="acq_rel", scope="gpu")
+        if ticket + mine == n_need:  # this program stored the last of the chunk states
             tl.atomic_xchg(tickets + tail, 0, sem="relaxed", scope="gpu")  # _tickets.py
-            prefix = 0
-            if MID_MERGE:  # (the counter left at zero too; every count was released before a ticket)
-                mid = tl.atomic_xchg(stored, 0, sem="relaxed", scope="gpu", mask=spin > 0)
-                prefix = tl.where((spin > 0) & (mid >= _MID_DONE), early, 0)
             _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
-                                GROUP, MERGE_ROWS, D, 1, 0, prefix)
+                                GROUP, MERGE_ROWS, D)
 
 
 # ---- the forward, warp-specialised (Gluon) ---------------------------------------------------------
@@ -1980,8 +1882,6 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
                   KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"],
                   FROM_LENS=queries.from_lens, SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size),
                   FLAT_STAGES=flat_stages, ONE_CHUNK=one_chunk, num_warps=cfg["num_warps"], num_stages=stages)
-    # MID_MERGE's counts a program: one a warp (no warps in the interpreter: one)
-    mid_merge = (1 if INTERPRETING else cfg["num_warps"]) if split and not one_chunk and cfg["MID_MERGE"] else 0
     cluster = _decode_cluster(n_chunks, per_split if one_chunk and not walks else 0, pairs,
                               resident_programs(q.device), d, cfg)
     if cluster > 1 and not INTERPRETING and _cluster.supported(q.device):
@@ -1996,16 +1896,14 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
     part_m = torch.empty(states, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((*states, d), device=q.device, dtype=torch.float32)
-    # ticket counters (one per split pair, and with MID_MERGE one more for its early states; a walk
-    # takes none) that the merging programs leave at zero
-    tickets = zeroed_tickets(q.device, max(split, 1) * (2 if mid_merge else 1))
+    # ticket counters (one per split pair; a walk takes none) that the merging programs leave at zero
+    tickets = zeroed_tickets(q.device, max(split, 1))
     # walks alone keep a (1, kv heads, sequences) grid: on the 1-D one the deep walk ran 4-5% slower in
     # an A/B (the twenty-fourth session; the same loop by ptxas), for no reason found
     grid = (walks + split * per_split, 1, 1) if split else (1, keys.n_heads, n_seqs)
     _decode_chunk_kernel[grid](
         q, keys.k, keys.v, out, lse, part_m, part_l, part_acc, tickets, *_query_args(queries),
-        *_page_args(keys), q.shape[1], qk_scale, n_chunks, walks, per_split, keys.table.shape[1], MID_MERGE=mid_merge,
-        **kwargs)
+        *_page_args(keys), q.shape[1], qk_scale, n_chunks, walks, per_split, keys.table.shape[1], **kwargs)
 
 
 def _decode_cluster(n_chunks: int, per_split: int, pairs: int, sms: int, head_dim: int, cfg: dict) -> int:
