@@ -191,7 +191,7 @@ TUNING = {
     # Measured, not kept (H100, ab_decode.py, bits equal): a one-chunk split program asking L2 for its
     # whole chunk before its ring's loads (the forty-fourth session: 1.06-1.25x the time at batch 1-8 x
     # 1k-4k), and idle SMs' helper programs asking L2 for a chunk's last blocks (the forty-sixth:
-    # 1.002-1.012x at batch 1-2 x 512-1k). Nor (the forty-eighth, e5880f5, other / this, the ticketed
+    # 1.002-1.012x at batch 1-2 x 512-1k). Nor (the forty-eighth, b44ec1a, other / this, the ticketed
     # split the other): where a pair's chunks take several rounds of its programs, the last part full,
     # its last program (idle a round early) merging the earlier rounds' states while the others fold
     # their last chunks, once each program's warps had counted their early states (a release a warp,
