@@ -476,8 +476,7 @@ def test_decode_cluster_rule_on_an_h200():
     def cluster(batch, keys, table=cfg, head_dim=128):
         n_chunks = -(-keys // A.KV_CHUNK)
         walks, per_split, _, _ = A._decode_grid(batch * 8, n_chunks, 132, table)
-        one_chunk = walks == 0 and n_chunks <= per_split
-        return A._decode_cluster(n_chunks, per_split if one_chunk else 0, batch * 8, 132, head_dim, table)
+        return A._decode_cluster(walks, per_split, n_chunks, batch * 8, 132, head_dim, table)
 
     assert [cluster(1, keys) for keys in (256, 257, 512, 700, 1024, 1500, 2048, 2049, 4096, 16384)] == [
         1, 2, 2, 4, 4, 8, 8, 1, 1, 1]  # one chunk: nothing to merge; 9+ chunks: 16 CTAs a pair
@@ -976,10 +975,10 @@ def test_gpu_clustered_decode_gives_the_training_bits(gpu_triton, monkeypatch, l
     q_b, k_b, v_b, pos, train = _gpu_decode_picks(lens, picks)
     pairs, n_chunks = len(picks) * 8, -(-k_b.shape[1] // A.KV_CHUNK)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    _, per_split, _, _ = A._decode_grid(pairs, n_chunks, sms, table)
-    assert A._decode_cluster(n_chunks, per_split, pairs, sms, 128, table) == cluster, per_split
+    walks, per_split, _, _ = A._decode_grid(pairs, n_chunks, sms, table)
+    assert A._decode_cluster(walks, per_split, n_chunks, pairs, sms, 128, table) == cluster, per_split
     if fill is not None:  # the table's fill keeps this grid off clusters
-        assert A._decode_cluster(n_chunks, per_split, pairs, sms, 128, shipped) == 1
+        assert A._decode_cluster(walks, per_split, n_chunks, pairs, sms, 128, shipped) == 1
     out = K.causal_attention(q_b, k_b, v_b, pos)[:, 0]
     assert launched == [True], launched
     differ = (out != train).flatten(1).any(1)

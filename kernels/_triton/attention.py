@@ -1882,8 +1882,7 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
                   KV_BLOCK=KV_BLOCK, KV_CHUNK=KV_CHUNK, WALKS=walks > 0, SPLITS=split > 0, PREFETCH=cfg["PREFETCH"],
                   FROM_LENS=queries.from_lens, SWAP=swapped, PAGE_SHIFT=decode_page_shift(keys.page_size),
                   FLAT_STAGES=flat_stages, ONE_CHUNK=one_chunk, num_warps=cfg["num_warps"], num_stages=stages)
-    cluster = _decode_cluster(n_chunks, per_split if one_chunk and not walks else 0, pairs,
-                              resident_programs(q.device), d, cfg)
+    cluster = _decode_cluster(walks, per_split, n_chunks, pairs, resident_programs(q.device), d, cfg)
     if cluster > 1 and not INTERPRETING and _cluster.supported(q.device):
         # each pair's programs one cluster: no chunk state goes through memory, no ticket
         unused = lse  # (the states' and tickets' pointers: a clustered kernel takes neither)
@@ -1906,14 +1905,16 @@ def _decode(queries: _Queries, keys: _Keys, out, lse, group: int, qk_scale: floa
         *_page_args(keys), q.shape[1], qk_scale, n_chunks, walks, per_split, keys.table.shape[1], **kwargs)
 
 
-def _decode_cluster(n_chunks: int, per_split: int, pairs: int, sms: int, head_dim: int, cfg: dict) -> int:
-    """CTAs a cluster of a grid of one-chunk splits alone whose `pairs` pairs have per_split programs
-    each (0: another grid), TUNING["decode"]'s CLUSTER_MAX and CLUSTER_FILL (of `sms` SMs); 1: no
-    cluster. A cluster is a power of two of CTAs (each merges head_dim / cluster columns), the first
-    at least n_chunks: one chunk a CTA, as the grid's programs, CTAs past a sequence's chunks only
-    merging; 4 warps a CTA (the occupancy query's CTAs: _cluster.cluster_launch)."""
+def _decode_cluster(walks: int, per_split: int, n_chunks: int, pairs: int, sms: int, head_dim: int,
+                    cfg: dict) -> int:
+    """CTAs a cluster of the decode grid (_decode_grid's walks and per_split) over `pairs` pairs of at
+    most n_chunks chunks, TUNING["decode"]'s CLUSTER_MAX and CLUSTER_FILL (of `sms` SMs); 1: no
+    cluster. Only a grid of one-chunk splits alone clusters (no walk, per_split >= n_chunks). A
+    cluster is a power of two of CTAs (each merges head_dim / cluster columns), the first at least
+    n_chunks: one chunk a CTA, as the grid's programs, CTAs past a sequence's chunks only merging; 4
+    warps a CTA (the occupancy query's CTAs: _cluster.cluster_launch)."""
     cluster = triton.next_power_of_2(n_chunks)
-    if (n_chunks < 2 or per_split < n_chunks or cluster > cfg["CLUSTER_MAX"] or head_dim % cluster
+    if (walks or n_chunks < 2 or per_split < n_chunks or cluster > cfg["CLUSTER_MAX"] or head_dim % cluster
             or pairs * cluster > cfg["CLUSTER_FILL"] * sms or cfg["num_warps"] != 4):
         return 1
     return cluster
