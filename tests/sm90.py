@@ -16,9 +16,9 @@ def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: in
     """types(arg name) -> Triton signature type of every non-constexpr argument. Returns the MMA
     (version, instruction shape) pairs of the TTGIR, ptxas' registers and spilled bytes, whether
     the kernel was warp-specialised (a ttg.warp_specialize op: producer and consumer partitions), its
-    shared memory and, under "ptx", how many PTX instructions begin with each opcode in `count`. A
-    Gluon kernel (gluon.jit) compiles from its own source; its tensor descriptors' types name their
-    shared layout ("tensordesc<bf16[64, 64],NVMMASharedLayout(...)>")."""
+    shared memory and, under "ptx", how many PTX instructions (guarded or not) begin with each opcode
+    in `count`. A Gluon kernel (gluon.jit) compiles from its own source; its tensor descriptors'
+    types name their shared layout ("tensordesc<bf16[64, 64],NVMMASharedLayout(...)>")."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -43,7 +43,9 @@ def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: in
                              capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", out)
     spills = re.search(r"(\d+) bytes spill stores", out)
-    ops = [line.split()[0] for line in compiled.asm["ptx"].splitlines() if line.strip() and line[0] in " \t"]
+    # each instruction's opcode, past a predicate guard ("@%p1 cp.async.bulk...")
+    ops = [words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+           for words in (line.split() for line in compiled.asm["ptx"].splitlines() if line.strip() and line[0] in " \t")]
     return {"mma": mma, "regs": int(regs.group(1)), "spill_bytes": int(spills.group(1)) if spills else 0,
             "warp_specialized": "ttg.warp_specialize(" in compiled.asm["ttgir"],
             "shared_bytes": compiled.metadata.shared, "ptx": {op: sum(o.startswith(op) for o in ops) for op in count}}

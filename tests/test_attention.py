@@ -655,8 +655,9 @@ cfg = A.TUNING["prefill_linear"]
 print(json.dumps({ablate: compile_sm90(A._prefill_ws_kernel, types, dict(
     GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK, k_all=None, v_all=None,
     STAGES=cfg["GLUON_STAGES"], FROM_LENS=False, Q_REGS=cfg["GLUON_Q_REGS"], ABLATE=ablate), 4, 1,
-    count=("ex2", "max.f32", "mul.f32", "wgmma.mma_async", "wgmma.mma_async.sync.aligned.m64n16k16"))
-    for ablate in (0, 1, 2, 4)}))
+    count=("ex2", "max.f32", "mul.f32", "wgmma.mma_async", "wgmma.mma_async.sync.aligned.m64n16k16",
+           "cp.async.bulk.tensor", "mbarrier.try_wait"))
+    for ablate in (0, 1, 2, 4, 8, 16)}))
 """
 
 
@@ -665,10 +666,11 @@ def test_probe_prefill_ablations_leave_out_their_work():
     (ABLATE); compiled for sm_90a, each variant lacks exactly its part, so that its time says what
     that part costs: no softmax, no exponentials and maxima a key (the merges keep theirs) but the
     same rescale; no row sums, no m64n16 wgmmas; no rescale, no multiplies of the chunk state (and
-    no alpha: its exponentials go too) but every wgmma."""
+    no alpha: its exponentials go too) but every wgmma; no MMAs, the ring's copies and waits alone;
+    no loads, every wgmma and exponential but no copy and no consumer's wait."""
     from sm90 import probe
 
-    whole, no_softmax, no_row_sums, no_rescale = probe(_ABLATION_PROBE).values()
+    whole, no_softmax, no_row_sums, no_rescale, no_mma, no_loads = probe(_ABLATION_PROBE).values()
     wgmmas = whole["ptx"]["wgmma.mma_async"]
     assert whole["mma"] == [["3", "[16, 128, 16]"], ["3", "[16, 16, 16]"], ["3", "[16, 64, 16]"]], whole
     assert no_softmax["ptx"]["ex2"] * 8 < whole["ptx"]["ex2"], (whole, no_softmax)
@@ -685,6 +687,13 @@ def test_probe_prefill_ablations_leave_out_their_work():
     # no variant spills more than the whole (the table's q in registers: 16-24 bytes outside the block
     # loop): a variant's time is its work's, not a spill's
     assert all(v["spill_bytes"] <= whole["spill_bytes"] <= 32 for v in (no_softmax, no_row_sums, no_rescale))
+    copies, waits = whole["ptx"]["cp.async.bulk.tensor"], whole["ptx"]["mbarrier.try_wait"]
+    assert copies > 0 and no_mma["ptx"]["cp.async.bulk.tensor"] == copies, (whole, no_mma)
+    assert no_mma["ptx"]["wgmma.mma_async"] == 0 and no_mma["ptx"]["ex2"] == 0, no_mma
+    assert 0 < no_mma["ptx"]["mbarrier.try_wait"], no_mma
+    assert no_loads["ptx"]["cp.async.bulk.tensor"] == 0, no_loads
+    assert no_loads["ptx"]["mbarrier.try_wait"] < waits, (whole, no_loads)  # (the producer's waits stay)
+    assert no_loads["ptx"]["wgmma.mma_async"] == wgmmas and no_loads["ptx"]["ex2"] == whole["ptx"]["ex2"]
 
 
 def test_custom_ops(triton_backend):

@@ -993,6 +993,31 @@ def _ws_softmax(s, blk, pos, m, qk_scale, n_full):
 _NO_SOFTMAX = gl.constexpr(1)  # P = the products as they are: no maxima, no exponentials a key
 _NO_ROW_SUMS = gl.constexpr(2)  # no ones-dot: the row sums stay zero
 _NO_RESCALE = gl.constexpr(4)  # the chunk state's accumulators not multiplied by alpha a block
+_NO_MMA = gl.constexpr(8)  # the consumers only wait for each block and free it: the ring's loads alone
+_NO_LOADS = gl.constexpr(16)  # no copies and no waits on the ring: the MMAs read what shared memory holds
+
+
+@gluon.jit
+def _ws_wait(ready, st, phase, ABLATE: gl.constexpr):
+    """A consumer's wait for ring slot st (ABLATE's _NO_LOADS: none)."""
+    if not ABLATE & _NO_LOADS:
+        mbarrier.wait(ready.index(st), phase)
+
+
+@gluon.jit
+def _ws_free(empty, st, ABLATE: gl.constexpr):
+    """A consumer's release of ring slot st (ABLATE's _NO_LOADS: none)."""
+    if not ABLATE & _NO_LOADS:
+        mbarrier.arrive(empty.index(st), count=1)
+
+
+@gluon.jit
+def _ws_drain(ready, empty, last, STAGES: gl.constexpr):
+    """ABLATE's _NO_MMA consumer: blocks 0 .. last waited for and freed in order, nothing computed."""
+    for blk in range(0, last + 1):
+        st = blk % STAGES
+        mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
+        mbarrier.arrive(empty.index(st), count=1)
 
 
 @gluon.jit
@@ -1053,7 +1078,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
     # finishes (FA3's pipelining inside a warpgroup): block 0's q.k and softmax first, the last
     # block's P@V and merge after
     q_op = _wgmma_a(q_smem, S_L, Q_REGS)
-    mbarrier.wait(ready.index(0), 0)
+    _ws_wait(ready, 0, 0, ABLATE)
     s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
     m_c, alpha, p = _ablated_softmax(s, 0, pos, m_c, qk_scale, n_full, ABLATE)
     p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
@@ -1062,7 +1087,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
     for blk in range(1, last + 1):
         st = blk % STAGES
         prev = (blk - 1) % STAGES
-        mbarrier.wait(ready.index(st), (blk // STAGES) & 1)
+        _ws_wait(ready, st, (blk // STAGES) & 1, ABLATE)
         s = warpgroup_mma(q_op, k_smem.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
         l_c, acc_c = _ws_fold(p_l, p_o, ones_smem, v_smem, prev, l_c, acc_c, alpha, L_L, O_L, True, ABLATE)
         s = warpgroup_mma_wait(num_outstanding=FOLD_GROUPS, deps=(s, ))
@@ -1071,7 +1096,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
             m_c = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
         m_c, alpha, p = _ablated_softmax(s, blk, pos, m_c, qk_scale, n_full, ABLATE)
         l_c, acc_c, p_l, p_o = warpgroup_mma_wait(num_outstanding=0, deps=(l_c, acc_c, p_l, p_o))
-        mbarrier.arrive(empty.index(prev), count=1)
+        _ws_free(empty, prev, ABLATE)
         p_l = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, L_L, 2))
         p_o = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(0, O_L, 2))
         if blk % (KV_CHUNK // KV_BLOCK) == 0:  # block blk - 1 ended its chunk
@@ -1080,7 +1105,7 @@ def _ws_consumer(q_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_po
             acc_c = gl.zeros([ROWS, D], gl.float32, O_L)
     st = last % STAGES
     l_c, acc_c = _ws_fold(p_l, p_o, ones_smem, v_smem, st, l_c, acc_c, alpha, L_L, O_L, False, ABLATE)
-    mbarrier.arrive(empty.index(st), count=1)
+    _ws_free(empty, st, ABLATE)
     m, l, acc = _ws_merge(m, l, acc, m_c, l_c, acc_c)
     rows = gl.convert_layout(rows, ROW_O)
     tok, head = _rows(rows, begin, n_queries, kv_head, GROUP)
@@ -1141,16 +1166,25 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
         k_src, v_src = k_end, v_end
     else:
         k_src, v_src = k_all, v_all
-    gl.warp_specialize([
-        (_ws_consumer, (q0_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
-                        tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, FROM_LENS,
-                        Q_REGS, ABLATE)),
-        (_ws_consumer, (q1_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
-                        tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES,
-                        FROM_LENS, Q_REGS, ABLATE)),
-        (_ws_producer, (k_src, v_src, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
-                        head_row, kv_head * head_cols, hi, row_hi, last, STAGES)),
-    ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
+    if ABLATE & _NO_LOADS:
+        produced = -1
+    else:
+        produced = last
+    loads = (k_src, v_src, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows, head_row,
+             kv_head * head_cols, hi, row_hi, produced, STAGES)
+    if ABLATE & _NO_MMA:
+        gl.warp_specialize([(_ws_drain, (ready, empty, last, STAGES)), (_ws_drain, (ready, empty, last, STAGES)),
+                            (_ws_producer, loads)], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
+    else:
+        gl.warp_specialize([
+            (_ws_consumer, (q0_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
+                            tile * _WS_TILE, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES, FROM_LENS,
+                            Q_REGS, ABLATE)),
+            (_ws_consumer, (q1_smem, ones_smem, k_smem, v_smem, ready, empty, out, lse, q_pos, begin, n_queries, seq,
+                            tile * _WS_TILE + _WS_HALF, kv_head, n_heads, qk_scale, last, GROUP, KV_CHUNK, STAGES,
+                            FROM_LENS, Q_REGS, ABLATE)),
+            (_ws_producer, loads),
+        ], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
     invalidate_ring(ready, empty, STAGES)
 
 
