@@ -525,11 +525,12 @@ linear = compile_sm90(A._prefill_kernel, lambda n: desc if n.endswith("_desc") e
 WS_INTS = {"stride_table", "stride_page", "stride_slot", "n_heads", "kv_width", "n_seqs", "page_rows", "head_rows",
            "head_cols"}
 ws_desc = lambda box: f"tensordesc<bf16[{box}, 128],{gluon_layout([box, 128])!r}>"
-# training's linear K/V: no host descriptor (k_all, v_all None)
-gluon, gluon_q_regs = (compile_sm90(A._prefill_ws_kernel, lambda n: "i32" if n in WS_INTS else types(n),
+# training's linear K/V: host descriptors in boxes of a block
+gluon, gluon_q_regs = (compile_sm90(A._prefill_ws_kernel, lambda n: ws_desc(A.KV_BLOCK) if n.endswith("_all") else "i32"
+                                    if n in WS_INTS else types(n),
                                     dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK,
-                                         k_all=None, v_all=None, STAGES=cfg["GLUON_STAGES"], FROM_LENS=False,
-                                         Q_REGS=q_regs), 4, 1) for q_regs in (False, True))
+                                         STAGES=cfg["GLUON_STAGES"], FROM_LENS=False, Q_REGS=q_regs), 4, 1)
+                       for q_regs in (False, True))
 # vLLM's prefill: 16-key pages, positions from the sequence lengths
 cfg = A.TUNING["prefill"]
 gluon_paged = compile_sm90(A._prefill_ws_kernel, lambda n: ws_desc(16) if n.endswith("_all") else "i32"
@@ -646,18 +647,21 @@ _ABLATION_PROBE = r"""
 import json
 from sm90 import compile_sm90
 from lockstep.kernels._triton import attention as A
+from lockstep.kernels._triton.splitk_ws import gluon_layout
 
 INTS = {"stride_table", "page_size", "stride_slot", "n_heads", "min_queries", "n_seqs", "kv_width", "page_rows",
         "head_rows", "head_cols"}
 POINTEE = {"lse": "fp32", "q_begin": "i32", "q_count": "i32", "q_pos": "i32", "page_table": "i32"}
 types = lambda n: "fp32" if n == "qk_scale" else "i32" if n in INTS else "*" + POINTEE.get(n, "bf16")
+desc = f"tensordesc<bf16[{A.KV_BLOCK}, 128],{gluon_layout([A.KV_BLOCK, 128])!r}>"
 cfg = A.TUNING["prefill_linear"]
-print(json.dumps({ablate: compile_sm90(A._prefill_ws_kernel, types, dict(
-    GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK, k_all=None, v_all=None,
+# training's linear K/V: host descriptors in boxes of a block
+print(json.dumps({ablate: compile_sm90(A._prefill_ws_kernel, lambda n: desc if n.endswith("_all") else types(n), dict(
+    GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK,
     STAGES=cfg["GLUON_STAGES"], FROM_LENS=False, Q_REGS=cfg["GLUON_Q_REGS"], ABLATE=ablate), 4, 1,
     count=("ex2", "max.f32", "mul.f32", "wgmma.mma_async", "wgmma.mma_async.sync.aligned.m64n16k16",
-           "cp.async.bulk.tensor", "mbarrier.try_wait"))
-    for ablate in (0, 1, 2, 4, 8, 16)}))
+           "cp.async.bulk.tensor", "mbarrier.try_wait", "tensormap"))
+    for ablate in (0, 1, 2, 4, 8, 16, 32)}))
 """
 
 
@@ -667,10 +671,11 @@ def test_probe_prefill_ablations_leave_out_their_work():
     that part costs: no softmax, no exponentials and maxima a key (the merges keep theirs) but the
     same rescale; no row sums, no m64n16 wgmmas; no rescale, no multiplies of the chunk state (and
     no alpha: its exponentials go too) but every wgmma; no MMAs, the ring's copies and waits alone;
-    no loads, every wgmma and exponential but no copy and no consumer's wait."""
+    no loads, every wgmma and exponential but no copy and no consumer's wait; host ends, no
+    descriptor made on the device but every copy, wgmma and exponential."""
     from sm90 import probe
 
-    whole, no_softmax, no_row_sums, no_rescale, no_mma, no_loads = probe(_ABLATION_PROBE).values()
+    whole, no_softmax, no_row_sums, no_rescale, no_mma, no_loads, host_ends = probe(_ABLATION_PROBE).values()
     wgmmas = whole["ptx"]["wgmma.mma_async"]
     assert whole["mma"] == [["3", "[16, 128, 16]"], ["3", "[16, 16, 16]"], ["3", "[16, 64, 16]"]], whole
     assert no_softmax["ptx"]["ex2"] * 8 < whole["ptx"]["ex2"], (whole, no_softmax)
@@ -694,6 +699,9 @@ def test_probe_prefill_ablations_leave_out_their_work():
     assert no_loads["ptx"]["cp.async.bulk.tensor"] == 0, no_loads
     assert no_loads["ptx"]["mbarrier.try_wait"] < waits, (whole, no_loads)  # (the producer's waits stay)
     assert no_loads["ptx"]["wgmma.mma_async"] == wgmmas and no_loads["ptx"]["ex2"] == whole["ptx"]["ex2"]
+    assert whole["ptx"]["tensormap"] > 0 and host_ends["ptx"]["tensormap"] == 0, (whole, host_ends)
+    assert {op: host_ends["ptx"][op] for op in ("wgmma.mma_async", "ex2", "cp.async.bulk.tensor")} == \
+        {op: whole["ptx"][op] for op in ("wgmma.mma_async", "ex2", "cp.async.bulk.tensor")}, (whole, host_ends)
 
 
 def test_custom_ops(triton_backend):

@@ -76,6 +76,11 @@ from lockstep.kernels._triton.splitk_ws import gluon_descriptor, invalidate_ring
 # ==== configuration ================================================================================
 # Numerics: part of the contract between trainer and rollout. Launchers read these at call time, so
 # tests may shrink them to exercise many blocks and chunks on short sequences.
+# KV_BLOCK = 128 measured against 64 (the forty-ninth session, H100, CUDA graphs; probe_prefill.py
+# --blocks, and the decode table on rings picked to fit, one program an SM, not swept): training's forward
+# on 4 x 4,096 tokens 1,755 us (2 ring stages: what fits; 252 bytes spilled) against 1,398, and the
+# decode table lower in every cell, 5 of its 12 done-means cells below 0.9 (1 x 16k 0.79, 16 x 1k 0.84):
+# 64 stays.
 KV_BLOCK = 64  # keys per online-softmax block: the P@V and row-sum dots reduce over exactly this many
 # keys per chunk (a multiple of KV_BLOCK): the unit decode splits on. 256: a lone request with 1k
 # keys gives 4 programs per kv head (1024 gave one, 0.28x torch's SDPA at batch 1); prefill and
@@ -900,14 +905,21 @@ def _load_rows_to_shared(src, tile_row0, begin, n_queries, kv_head, n_heads, dst
 
 
 @gluon.jit
-def _ws_producer(k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows, head_row,
-                 col, hi, row_hi, last, STAGES: gl.constexpr):
+def _ws_producer(k_all, v_all, k, v, k_smem, v_smem, ready, empty, page_row, page_size, page_rows, head_row, col, hi,
+                 kv_width, stride_slot, last, STAGES: gl.constexpr, ABLATE: gl.constexpr):
     """Blocks 0 .. last of the tile's keys, in order, into the ring (a slot refilled once both
     consumers freed it), each as BOX-key boxes of one page: a box whose keys are all at or before hi
-    through k_all/v_all (the whole K/V), hi's box and those after it through k_end/v_end (ending at
-    hi's row, row_hi: the keys past hi read as zeros; a box past hi lies wholly past it). A linear
-    K/V passes k_end/v_end as k_all/v_all too: its rows up to row_hi are every key up to hi."""
+    through k_all/v_all (host descriptors of the whole K/V), hi's box and those after it through
+    descriptors of the K/V up to hi's row made here (k, v: its base), so that TMA reads the keys past
+    hi as zeros (a box past hi lies wholly past it). Only block last has such boxes: its descriptors
+    are made once the blocks before it are on their way, beside the ring's copies rather than before
+    the program's first block (ABLATE's _HOST_ENDS: k_all's for every box). Made before the program's
+    warps split, they held every program's start (~1.5 us: probe_prefill.py's host-descriptor
+    ablation on 64 x 256 tokens); here the paged prefill of a 4k / 16k prompt takes 0.964 / 0.971x
+    the time and training's forward on 4 x 4,096 tokens 0.994x (the forty-ninth session, H100, CUDA
+    graphs, the two kernels in one call, bits equal)."""
     BOX: gl.constexpr = k_all.block_type.shape[0]
+    D: gl.constexpr = k_all.block_type.shape[1]
     KV_BLOCK: gl.constexpr = k_smem.shape[1]
     BOXES: gl.constexpr = KV_BLOCK // BOX
     # a block of several boxes (pages shorter than a block: vLLM's 16-key pages) loads its page
@@ -918,31 +930,64 @@ def _ws_producer(k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_
     if BOXES > 1:
         box = gl.arange(0, BOXES, layout=gl.BlockedLayout([1], [32], [1], [0]))
         entries = _block_entries(page_row, box, 0, hi, page_size, KV_BLOCK, BOX)
-    for blk in range(0, last + 1):
-        st = blk % STAGES
+        for blk in range(0, last):
+            entries = _ws_load_block(k_all, v_all, k_all, v_all, k_smem, v_smem, ready, empty, page_row, page_size,
+                                     page_rows, head_row, col, hi, hi, blk, entries, box, STAGES)
+    else:
+        for blk in range(0, last):
+            _ws_load_block(k_all, v_all, k_all, v_all, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
+                           head_row, col, hi, hi, blk, 0, 0, STAGES)
+    if last >= 0:  # (ABLATE's _NO_LOADS: no block)
+        row_hi = gl.load(page_row + hi // page_size) * page_rows + head_row + hi % page_size
+        if ABLATE & _HOST_ENDS:
+            k_end, v_end = k_all, v_all
+        else:
+            k_end = tma.make_tensor_descriptor(k, [row_hi + 1, kv_width], [stride_slot, 1], [BOX, D],
+                                               k_smem.type.layout)
+            v_end = tma.make_tensor_descriptor(v, [row_hi + 1, kv_width], [stride_slot, 1], [BOX, D],
+                                               v_smem.type.layout)
         if BOXES > 1:
-            ahead = _block_entries(page_row, box, blk + 1, hi, page_size, KV_BLOCK, BOX)
-        mbarrier.wait(empty.index(st), ((blk // STAGES) & 1) ^ 1)  # (a slot's first use passes at once)
-        bar = ready.index(st)
-        mbarrier.expect(bar, 2 * BOXES * k_all.block_type.nbytes)
-        for j in gl.static_range(BOXES):
-            key = blk * KV_BLOCK + j * BOX
-            k_box = k_smem.index(st).slice(j * BOX, BOX)
-            v_box = v_smem.index(st).slice(j * BOX, BOX)
-            if key + BOX - 1 <= hi:
-                if BOXES > 1:
-                    entry = gl.max(gl.where(box == j, entries, 0), 0)  # (entries >= 0: a max is exact)
-                else:
-                    entry = gl.load(page_row + key // page_size)
-                row = entry * page_rows + head_row + key % page_size
-                tma.async_copy_global_to_shared(k_all, [row, col], bar, k_box)
-                tma.async_copy_global_to_shared(v_all, [row, col], bar, v_box)
+            _ws_load_block(k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
+                           head_row, col, hi, row_hi, last, entries, box, STAGES)
+        else:
+            _ws_load_block(k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
+                           head_row, col, hi, row_hi, last, 0, 0, STAGES)
+
+
+@gluon.jit
+def _ws_load_block(k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows, head_row,
+                   col, hi, row_hi, blk, entries, box, STAGES: gl.constexpr):
+    """Block blk's boxes into its ring slot, once both consumers freed it (_ws_producer; entries: its
+    boxes' page entries, box their indices, where a block has several). Returns the next block's
+    entries (several boxes), else entries."""
+    BOX: gl.constexpr = k_all.block_type.shape[0]
+    KV_BLOCK: gl.constexpr = k_smem.shape[1]
+    BOXES: gl.constexpr = KV_BLOCK // BOX
+    st = blk % STAGES
+    if BOXES > 1:
+        ahead = _block_entries(page_row, box, blk + 1, hi, page_size, KV_BLOCK, BOX)
+    else:
+        ahead = entries
+    mbarrier.wait(empty.index(st), ((blk // STAGES) & 1) ^ 1)  # (a slot's first use passes at once)
+    bar = ready.index(st)
+    mbarrier.expect(bar, 2 * BOXES * k_all.block_type.nbytes)
+    for j in gl.static_range(BOXES):
+        key = blk * KV_BLOCK + j * BOX
+        k_box = k_smem.index(st).slice(j * BOX, BOX)
+        v_box = v_smem.index(st).slice(j * BOX, BOX)
+        if key + BOX - 1 <= hi:
+            if BOXES > 1:
+                entry = gl.max(gl.where(box == j, entries, 0), 0)  # (entries >= 0: a max is exact)
             else:
-                row = row_hi + 1 + gl.minimum(key - hi - 1, 0)
-                tma.async_copy_global_to_shared(k_end, [row, col], bar, k_box)
-                tma.async_copy_global_to_shared(v_end, [row, col], bar, v_box)
-        if BOXES > 1:
-            entries = ahead
+                entry = gl.load(page_row + key // page_size)
+            row = entry * page_rows + head_row + key % page_size
+            tma.async_copy_global_to_shared(k_all, [row, col], bar, k_box)
+            tma.async_copy_global_to_shared(v_all, [row, col], bar, v_box)
+        else:
+            row = row_hi + 1 + gl.minimum(key - hi - 1, 0)
+            tma.async_copy_global_to_shared(k_end, [row, col], bar, k_box)
+            tma.async_copy_global_to_shared(v_end, [row, col], bar, v_box)
+    return ahead
 
 
 @gluon.jit
@@ -995,6 +1040,8 @@ _NO_ROW_SUMS = gl.constexpr(2)  # no ones-dot: the row sums stay zero
 _NO_RESCALE = gl.constexpr(4)  # the chunk state's accumulators not multiplied by alpha a block
 _NO_MMA = gl.constexpr(8)  # the consumers only wait for each block and free it: the ring's loads alone
 _NO_LOADS = gl.constexpr(16)  # no copies and no waits on the ring: the MMAs read what shared memory holds
+_HOST_ENDS = gl.constexpr(32)  # no descriptors made on the device: the host's, over the whole K/V, for the
+#                                tile's last blocks too (the keys past hi read as they are, not as zeros)
 
 
 @gluon.jit
@@ -1126,11 +1173,10 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
     """_prefill_kernel, warp-specialised: a program per (128-row tile, kv head, sequence), ranked as
     _prefill_kernel's. K/V are read as a [rows, kv_width] matrix of row pitch stride_slot: the key
     in slot s of page p of kv head h is row p * page_rows + h * head_rows + s, at column h *
-    head_cols; k_all, v_all: its host descriptors in BOX-key boxes for a paged K/V, None for a linear
-    one (one page a sequence: the descriptors made here, ending at the tile's last key, serve every
-    block, and the launch carries no host descriptor). Q_REGS: TUNING's GLUON_Q_REGS (each consumer's
-    q in registers, the A operand of its q.k wgmmas). ABLATE: 0, or work left out for a probe (above
-    _ablated_softmax)."""
+    head_cols; k_all, v_all: its host descriptors in BOX-key boxes (the tile's last block's boxes
+    past its last key come through descriptors the producer makes: _ws_producer). Q_REGS: TUNING's
+    GLUON_Q_REGS (each consumer's q in registers, the A operand of its q.k wgmmas). ABLATE: 0, or
+    work left out for a probe (above _ablated_softmax)."""
     rank, kv_head, seq = _ranked_program(gl.program_id(0), n_heads // GROUP, n_seqs)
     begin, n_queries = _sequence(q_begin, q_count, seq, FROM_LENS)
     tile = gl.cdiv(n_queries * GROUP, _WS_TILE) - 1 - rank  # rank 0: the sequence's latest queries
@@ -1151,27 +1197,18 @@ def _prefill_ws_kernel(q, k, v, out, lse, q_begin, q_count, q_pos, page_table, s
     ones = gl.full([KV_BLOCK, _SUM_COLS], 1.0, gl.float32, ONES_L).to(dtype)
     ones_smem = gl.allocate_shared_memory(dtype, [KV_BLOCK, _SUM_COLS],
                                           gl.NVMMASharedLayout.get_default_for([KV_BLOCK, _SUM_COLS], dtype), ones)
-    # the K/V up to hi's row: TMA reads the rows past it as zeros
     page_row = page_table + seq * stride_table
-    head_row = kv_head * head_rows
-    row_hi = gl.load(page_row + hi // page_size) * page_rows + head_row + hi % page_size
-    k_end = tma.make_tensor_descriptor(k, [row_hi + 1, kv_width], [stride_slot, 1], [BOX, D], KV_L)
-    v_end = tma.make_tensor_descriptor(v, [row_hi + 1, kv_width], [stride_slot, 1], [BOX, D], KV_L)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, KV_BLOCK, D], KV_L)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, KV_BLOCK, D], KV_L)
     ready, empty = ring_barriers(STAGES)
     fence_async_shared()  # the q and ones stores, before the wgmmas read them
     last = hi // KV_BLOCK
-    if k_all is None:
-        k_src, v_src = k_end, v_end
-    else:
-        k_src, v_src = k_all, v_all
     if ABLATE & _NO_LOADS:
         produced = -1
     else:
         produced = last
-    loads = (k_src, v_src, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows, head_row,
-             kv_head * head_cols, hi, row_hi, produced, STAGES)
+    loads = (k_all, v_all, k, v, k_smem, v_smem, ready, empty, page_row, page_size, page_rows, kv_head * head_rows,
+             kv_head * head_cols, hi, kv_width, stride_slot, produced, STAGES, ABLATE)
     if ABLATE & _NO_MMA:
         gl.warp_specialize([(_ws_drain, (ready, empty, last, STAGES)), (_ws_drain, (ready, empty, last, STAGES)),
                             (_ws_producer, loads)], [4, 1], [_WS_CONSUMER_REGISTERS, _WS_PRODUCER_REGISTERS])
@@ -1845,11 +1882,8 @@ def _prefill_ws(queries: _Queries, keys: _Keys, view: _TmaView, out, lse, group:
         raise ValueError(f"attention (triton): TUNING['{entry}'] has GLUON with GLUON_STAGES="
                          f"{cfg['GLUON_STAGES']}; the Gluon forward's ring needs at least 2")
     q, d = queries.q, queries.q.shape[2]
-    if keys.page_size == _LINEAR_PAGE:  # the device descriptors serve every block
-        k_all = v_all = None
-    else:
-        k_all, v_all = (gluon_descriptor(t.as_strided((view.rows, view.width), (keys.stride_slot, 1)), [view.box, d])
-                        for t in (keys.k, keys.v))
+    k_all, v_all = (gluon_descriptor(t.as_strided((view.rows, view.width), (keys.stride_slot, 1)), [view.box, d])
+                    for t in (keys.k, keys.v))
     install_descriptor_allocator(q.device)  # the tile's end descriptors are made on the device
     n_seqs = queries.n_seqs
     _prefill_ws_kernel[_ranked_grid(triton.cdiv(queries.max_count * group, _WS_TILE.value), keys, n_seqs)](
