@@ -58,8 +58,9 @@
 #   probe_decode benchmarks/probe_decode.py $PROBE_ARGS (a timeline of the split decode path's programs: where a
 #               small batch's step waits; default batch 1 and 16 at 1k / 4k / 16k keys)
 #   probe_merge benchmarks/probe_merge.py (the split decode's merge alone, a state at a time and in two passes)
-#   probe_prefill benchmarks/probe_prefill.py $PROBE_ARGS (the Gluon forward with its softmax, row sums or rescale
-#               left out, and without chunk merges, each timed against the whole: where prefill's time goes)
+#   probe_prefill benchmarks/probe_prefill.py $PROBE_ARGS (the Gluon forward with parts of its work left out: its
+#               softmax, row sums, rescale, MMAs, loads or device-made descriptors, each timed against the whole;
+#               --seq / --seqs: where a program's fixed cost goes; --blocks 64,128: 128-key blocks)
 #   probe_partial benchmarks/probe_partial_tiles.py $PROBE_ARGS (each projection at M = 80-128 rows as is, and padded
 #               to the decode buckets' full 128-row tile with the copy timed in: whether part-full tiles cost)
 #   sweep_gemm_column benchmarks/sweep_gemm.py --column $COLUMN_ARGS (tiles up to 256 rows, swapped ones too, on qkv and

@@ -927,6 +927,7 @@ def _ws_producer(k_all, v_all, k, v, k_smem, v_smem, ready, empty, page_row, pag
     # waits on its entry's load: the paged prefill of a 4k / 16k prompt at 16-key pages took 0.905 /
     # 0.921x the time of the entries loaded box by box (the fortieth session, H100, A/B, bits equal);
     # a block of one box (a linear K/V, pages of a block or more) loads its entry in place, as before
+    # (the blocks before last pass k_all as their end descriptors too: no box of theirs reaches past hi)
     if BOXES > 1:
         box = gl.arange(0, BOXES, layout=gl.BlockedLayout([1], [32], [1], [0]))
         entries = _block_entries(page_row, box, 0, hi, page_size, KV_BLOCK, BOX)
