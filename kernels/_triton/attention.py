@@ -931,13 +931,12 @@ def _ws_producer(k_all, v_all, k, v, k_smem, v_smem, ready, empty, page_row, pag
     if BOXES > 1:
         box = gl.arange(0, BOXES, layout=gl.BlockedLayout([1], [32], [1], [0]))
         entries = _block_entries(page_row, box, 0, hi, page_size, KV_BLOCK, BOX)
-        for blk in range(0, last):
-            entries = _ws_load_block(k_all, v_all, k_all, v_all, k_smem, v_smem, ready, empty, page_row, page_size,
-                                     page_rows, head_row, col, hi, hi, blk, entries, box, STAGES)
-    else:
-        for blk in range(0, last):
-            _ws_load_block(k_all, v_all, k_all, v_all, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
-                           head_row, col, hi, hi, blk, 0, 0, STAGES)
+    else:  # (a block's one entry is loaded in place: _ws_load_block passes these through)
+        box = 0
+        entries = gl.to_tensor(0)
+    for blk in range(0, last):
+        entries = _ws_load_block(k_all, v_all, k_all, v_all, k_smem, v_smem, ready, empty, page_row, page_size,
+                                 page_rows, head_row, col, hi, hi, blk, entries, box, STAGES)
     if last >= 0:  # (ABLATE's _NO_LOADS: no block)
         row_hi = gl.load(page_row + hi // page_size) * page_rows + head_row + hi % page_size
         if ABLATE & _HOST_ENDS:
@@ -947,12 +946,8 @@ def _ws_producer(k_all, v_all, k, v, k_smem, v_smem, ready, empty, page_row, pag
                                                k_smem.type.layout)
             v_end = tma.make_tensor_descriptor(v, [row_hi + 1, kv_width], [stride_slot, 1], [BOX, D],
                                                v_smem.type.layout)
-        if BOXES > 1:
-            _ws_load_block(k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
-                           head_row, col, hi, row_hi, last, entries, box, STAGES)
-        else:
-            _ws_load_block(k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
-                           head_row, col, hi, row_hi, last, 0, 0, STAGES)
+        _ws_load_block(k_all, v_all, k_end, v_end, k_smem, v_smem, ready, empty, page_row, page_size, page_rows,
+                       head_row, col, hi, row_hi, last, entries, box, STAGES)
 
 
 @gluon.jit
