@@ -9,7 +9,8 @@ so, and the times stand).
     python benchmarks/ab_decode.py OLD.py [CASE,...]         # default: the decode table's corners
     CASE: BxC (B requests of C keys, one query each: decode), BxCxQ (Q queries each: a paged
     prefill of the last Q of C keys), either with :H for H kv heads (a TP rank's share of the 8, 4
-    query heads each; e.g. 23x4096:4), trainN (the training forward: N packed 4,096-token sequences)
+    query heads each; e.g. 23x4096:4), trainN (the training forward: N packed 4,096-token sequences;
+    trainNxS: of S tokens)
 """
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def _module(path: str):
 def _sides(case: str, old) -> list:
     """The two sides' calls of one CASE (module docstring), each returning the output."""
     if case.startswith("train"):
-        seq = 4096
-        q, k, v, _, cu, scale = training_inputs(int(case[5:] or 4) * seq, seq)
+        n, _, seq = case[5:].partition("x")
+        seq = int(seq or 4096)
+        q, k, v, _, cu, scale = training_inputs(int(n or 4) * seq, seq)
         return [lambda m=m: m._varlen(q, k, v, cu, scale, seq)[0] for m in (old, NEW)]
     shape, _, kv_heads = case.partition(":")
     batch, context, *queries = map(int, shape.split("x"))

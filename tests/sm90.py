@@ -12,13 +12,16 @@ from pathlib import Path
 import pytest
 
 
-def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: int, count: tuple = ()) -> dict:
+def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: int, count: tuple = (),
+                 wgmma_loops: bool = False) -> dict:
     """types(arg name) -> Triton signature type of every non-constexpr argument. Returns the MMA
     (version, instruction shape) pairs of the TTGIR, ptxas' registers and spilled bytes, whether
     the kernel was warp-specialised (a ttg.warp_specialize op: producer and consumer partitions), its
     shared memory and, under "ptx", how many PTX instructions (guarded or not) begin with each opcode
-    in `count`. A Gluon kernel (gluon.jit) compiles from its own source; its tensor descriptors'
-    types name their shared layout ("tensordesc<bf16[64, 64],NVMMASharedLayout(...)>")."""
+    in `count`; with wgmma_loops, under "wgmma_loops", each SASS loop that issues wgmmas (HGMMA) as
+    {"instructions", "spills": its local-memory loads and stores, "spills_among_wgmmas": those between
+    its first and last wgmma}. A Gluon kernel (gluon.jit) compiles from its own source; its tensor
+    descriptors' types name their shared layout ("tensordesc<bf16[64, 64],NVMMASharedLayout(...)>")."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -41,6 +44,8 @@ def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: in
         ptx.write_text(compiled.asm["ptx"])
         out = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
                              capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([str(ptxas.parent / "nvdisasm"), "-c", str(Path(tmp) / "k.cubin")], capture_output=True,
+                              text=True, check=True).stdout if wgmma_loops else ""
     regs = re.search(r"Used (\d+) registers", out)
     spills = re.search(r"(\d+) bytes spill stores", out)
     # each instruction's opcode, past a predicate guard ("@%p1 cp.async.bulk...")
@@ -48,7 +53,28 @@ def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: in
            for words in (line.split() for line in compiled.asm["ptx"].splitlines() if line.strip() and line[0] in " \t")]
     return {"mma": mma, "regs": int(regs.group(1)), "spill_bytes": int(spills.group(1)) if spills else 0,
             "warp_specialized": "ttg.warp_specialize(" in compiled.asm["ttgir"],
-            "shared_bytes": compiled.metadata.shared, "ptx": {op: sum(o.startswith(op) for o in ops) for op in count}}
+            "shared_bytes": compiled.metadata.shared, "ptx": {op: sum(o.startswith(op) for o in ops) for op in count},
+            **({"wgmma_loops": _wgmma_loops(sass)} if wgmma_loops else {})}
+
+
+def _wgmma_loops(sass: str) -> list[dict]:
+    """The innermost loops of nvdisasm's listing (a backward branch to a label, around no other)
+    whose bodies issue HGMMA."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
+    loops = []
+    for a, b in spans:
+        if any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans):
+            continue
+        body = [line for line in lines[a:b + 1] if re.match(r"\s+/\*[0-9a-f]+\*/", line)]
+        wgmmas = [k for k, line in enumerate(body) if "HGMMA" in line]
+        if wgmmas:
+            spills = [k for k, line in enumerate(body) if re.search(r"\b(LDL|STL)\b", line)]
+            loops.append({"instructions": len(body), "spills": len(spills),
+                          "spills_among_wgmmas": sum(wgmmas[0] < k < wgmmas[-1] for k in spills)})
+    return loops
 
 
 def probe(code: str):

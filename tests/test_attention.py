@@ -529,14 +529,15 @@ ws_desc = lambda box: f"tensordesc<bf16[{box}, 128],{gluon_layout([box, 128])!r}
 gluon, gluon_q_regs = (compile_sm90(A._prefill_ws_kernel, lambda n: ws_desc(A.KV_BLOCK) if n.endswith("_all") else "i32"
                                     if n in WS_INTS else types(n),
                                     dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK, KV_CHUNK=A.KV_CHUNK, BOX=A.KV_BLOCK,
-                                         STAGES=cfg["GLUON_STAGES"], FROM_LENS=False, Q_REGS=q_regs), 4, 1)
+                                         STAGES=cfg["GLUON_STAGES"], FROM_LENS=False, Q_REGS=q_regs), 4, 1,
+                                    wgmma_loops=True)
                        for q_regs in (False, True))
 # vLLM's prefill: 16-key pages, positions from the sequence lengths
 cfg = A.TUNING["prefill"]
 gluon_paged = compile_sm90(A._prefill_ws_kernel, lambda n: ws_desc(16) if n.endswith("_all") else "i32"
                            if n in WS_INTS else types(n), dict(GROUP=4, D=128, KV_BLOCK=A.KV_BLOCK,
                            KV_CHUNK=A.KV_CHUNK, BOX=16, STAGES=cfg["GLUON_STAGES"], FROM_LENS=True,
-                           Q_REGS=cfg["GLUON_Q_REGS"]), 4, 1)
+                           Q_REGS=cfg["GLUON_Q_REGS"]), 4, 1, wgmma_loops=True)
 bwd_types = lambda n: "fp32" if n in ("qk_scale", "scale") else "*fp32" if n == "delta" else types(n)
 cfg = A.TUNING["bwd_dkdv"]
 dkdv = compile_sm90(A._bwd_dkdv_kernel, lambda n: "*i32" if n == "kv_count" else bwd_types(n),
@@ -606,6 +607,12 @@ def test_decode_and_prefill_multiply_with_wgmma():
     # the table runs it (q in registers: the same spill)
     assert gluon_paged["mma"] == prefill["mma"], gluon_paged
     assert gluon_paged["spill_bytes"] <= (32 if A.TUNING["prefill"]["GLUON_Q_REGS"] else 0), gluon_paged
+    # ... and none of it in either consumer's block loop (nvdisasm): a reload there waits in front of
+    # the block's wgmmas. (The persistent forms of the fiftieth session, branch persistent-gluon-forward,
+    # reloaded spilled wgmma descriptors there, some among a block's wgmmas, and their program-a-tile
+    # forms took 1.10-1.18x this kernel's time, H100; the cause was not isolated.)
+    for kernel in (gluon, gluon_q_regs, gluon_paged):
+        assert len(kernel["wgmma_loops"]) == 2 and all(loop["spills"] == 0 for loop in kernel["wgmma_loops"]), kernel
     # dK/dV's Gluon form runs the tl kernel's instructions on 64 of its keys a consumer
     # (its consumers hold two [64, D] fp32 accumulators and a tile's products: 76 bytes spilled since a
     # tile's lse and delta are loaded ahead, 152 before; probed)
