@@ -18,9 +18,8 @@ def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: in
     (version, instruction shape) pairs of the TTGIR, ptxas' registers and spilled bytes, whether
     the kernel was warp-specialised (a ttg.warp_specialize op: producer and consumer partitions), its
     shared memory and, under "ptx", how many PTX instructions (guarded or not) begin with each opcode
-    in `count`; with wgmma_loops, under "wgmma_loops", each SASS loop that issues wgmmas (HGMMA) as
-    {"instructions", "spills": its local-memory loads and stores, "spills_among_wgmmas": those between
-    its first and last wgmma}. A Gluon kernel (gluon.jit) compiles from its own source; its tensor
+    in `count`; with wgmma_loops, under "wgmma_loops", each innermost SASS loop that issues wgmmas
+    (HGMMA) as {"instructions", "spills": its local-memory loads and stores}. A Gluon kernel (gluon.jit) compiles from its own source; its tensor
     descriptors' types name their shared layout ("tensordesc<bf16[64, 64],NVMMASharedLayout(...)>")."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -69,11 +68,9 @@ def _wgmma_loops(sass: str) -> list[dict]:
         if any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans):
             continue
         body = [line for line in lines[a:b + 1] if re.match(r"\s+/\*[0-9a-f]+\*/", line)]
-        wgmmas = [k for k, line in enumerate(body) if "HGMMA" in line]
-        if wgmmas:
-            spills = [k for k, line in enumerate(body) if re.search(r"\b(LDL|STL)\b", line)]
-            loops.append({"instructions": len(body), "spills": len(spills),
-                          "spills_among_wgmmas": sum(wgmmas[0] < k < wgmmas[-1] for k in spills)})
+        if any("HGMMA" in line for line in body):
+            loops.append({"instructions": len(body),
+                          "spills": sum(bool(re.search(r"\b(LDL|STL)\b", line)) for line in body)})
     return loops
 
 

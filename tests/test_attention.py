@@ -601,7 +601,7 @@ def test_decode_and_prefill_multiply_with_wgmma():
     assert linear["mma"] == prefill["mma"] and linear["spill_bytes"] == 0, (linear, prefill)
     assert gluon["mma"] == prefill["mma"] and gluon["spill_bytes"] == 0 and gluon["warp_specialized"], gluon
     # with q in registers (GLUON_Q_REGS: the q.k wgmmas' A operand) the same instructions; the 32 more
-    # registers a thread spill 24 bytes, outside the block loop (probed: ptxas, cuobjdump)
+    # registers a thread spill 24 bytes, outside the block loops (checked below)
     assert gluon_q_regs["mma"] == prefill["mma"] and gluon_q_regs["spill_bytes"] <= 32, gluon_q_regs
     # ... also over vLLM's paged cache (16-key pages: four boxes a block; positions from the lengths), as
     # the table runs it (q in registers: the same spill)
