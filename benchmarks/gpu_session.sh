@@ -28,8 +28,8 @@
 #               tar -x -C .ab/old`, carried; default .ab/old/kernels)
 #               linked in place of this tree's, then with this tree's; $ROLLOUT_AB_ARGS (default --shapes 8b)
 #   ab_decode   benchmarks/ab_decode.py $AB_OLD (default OLD.py: another revision's attention module, carried
-#               untracked) against this tree's attention, $AB_CASES the cases (decode BxC, paged prefill
-#               BxCxQ, training forward trainN)
+#               untracked; several, comma-separated, each in turn) against this tree's attention, $AB_CASES
+#               the cases (decode BxC, paged prefill BxCxQ, mixed BxC+P, training forward trainN[xS])
 #   decode      benchmarks/bench_decode.py (where a strict decode step spends its time; split-K vs cuBLAS)
 #               (decode, kernels and sweeps need only torch and triton: no carried wheels)
 #   kernels     benchmarks/kernels.py (all kernel tables; the attention tables add vLLM's FA3 as a baseline
