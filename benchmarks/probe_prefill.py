@@ -21,8 +21,9 @@ run, at the ring stages that fit shared memory), --q-regs: GLUON_Q_REGS as the t
 An ablation's outputs are wrong by design; only times are compared. For scale, the fastest torch
 SDPA forward (bench_attention.fastest_sdpa, causal, the sequences as a batch) on the same inputs.
 
-Prints a table: variant, KV_BLOCK, ring stages, q in registers, KV_CHUNK, us (CUDA-graph replay of 10 calls), the whole kernel's time over
-the variant's, and TFLOP/s (the causal forward's 4 * D * S * (S + 1) / 2 flops a head a sequence).
+Prints a table: variant, KV_BLOCK, ring stages, q in registers, KV_CHUNK, us (CUDA-graph replay of
+10 calls), the whole kernel's time over the variant's, and TFLOP/s (the causal forward's
+4 * D * S * (S + 1) / 2 flops a head a sequence).
 """
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ def main() -> None:
     qb, kb, vb = batch(q), batch(k), batch(v)
     ms, backend = fastest_sdpa(graph_ms_per_call, lambda b: sdpa(b, qb, kb, vb, True))
     us = ms * 1e3
-    rows.append([f"torch SDPA forward ({backend})", "-", "-", "-", "-", f"{us:.1f}", f"{base / us:.3f}", f"{flops / us / 1e6:.0f}"])
+    rows.append([f"torch SDPA forward ({backend})", "-", "-", "-", "-", f"{us:.1f}", f"{base / us:.3f}",
+                 f"{flops / us / 1e6:.0f}"])
     print(markdown_table(f"Gluon forward ablations, {args.seqs} x {seq} packed tokens, bf16, 32 / 8 heads, D 128 "
                          f"({torch.cuda.get_device_name()})",
                          ["variant", "KV_BLOCK", "stages", "q in registers", "KV_CHUNK", "us", "whole / variant",
