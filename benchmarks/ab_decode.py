@@ -52,7 +52,8 @@ def _sides(case: str, old) -> list:
     if prompt:  # a mixed step: the batch's decode tokens and one more request's last `prompt` tokens
         q, k_cache, v_cache, table, seq_lens, qsl, scale, _, max_seq = paged_inputs(
             batch + 1, context, 1, *([int(kv_heads)] if kv_heads else []))
-        q = torch.cat([q[:batch], torch.randn(int(prompt), *q.shape[1:], device=q.device, dtype=q.dtype)])
+        g = torch.Generator(device="cuda").manual_seed(batch * 7 + context + int(prompt))  # (as paged_inputs')
+        q = torch.cat([q[:batch], torch.randn(int(prompt), *q.shape[1:], device=q.device, dtype=q.dtype, generator=g)])
         qsl = torch.cat([qsl[:batch + 1], qsl[batch:batch + 1] + int(prompt)])
         args = (q, k_cache, v_cache, table, seq_lens, qsl, scale, int(prompt), max_seq)
     else:
