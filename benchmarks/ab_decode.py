@@ -49,15 +49,15 @@ def _sides(case: str, old) -> list:
     shape, _, kv_heads = case.partition(":")
     shape, _, prompt = shape.partition("+")
     batch, context, *queries = map(int, shape.split("x"))
+    heads = [int(kv_heads)] if kv_heads else []
     if prompt:  # a mixed step: the batch's decode tokens and one more request's last `prompt` tokens
-        q, k_cache, v_cache, table, seq_lens, qsl, scale, _, max_seq = paged_inputs(
-            batch + 1, context, 1, *([int(kv_heads)] if kv_heads else []))
+        q, k_cache, v_cache, table, seq_lens, qsl, scale, _, max_seq = paged_inputs(batch + 1, context, 1, *heads)
         g = torch.Generator(device="cuda").manual_seed(batch * 7 + context + int(prompt))  # (as paged_inputs')
         q = torch.cat([q[:batch], torch.randn(int(prompt), *q.shape[1:], device=q.device, dtype=q.dtype, generator=g)])
         qsl = torch.cat([qsl[:batch + 1], qsl[batch:batch + 1] + int(prompt)])
         args = (q, k_cache, v_cache, table, seq_lens, qsl, scale, int(prompt), max_seq)
     else:
-        args = paged_inputs(batch, context, queries[0] if queries else 1, *([int(kv_heads)] if kv_heads else []))
+        args = paged_inputs(batch, context, queries[0] if queries else 1, *heads)
     return [lambda m=m: m._paged(*args) for m in (old, NEW)]
 
 

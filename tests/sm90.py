@@ -19,8 +19,9 @@ def compile_sm90(kernel, types, constexprs: dict, num_warps: int, num_stages: in
     the kernel was warp-specialised (a ttg.warp_specialize op: producer and consumer partitions), its
     shared memory and, under "ptx", how many PTX instructions (guarded or not) begin with each opcode
     in `count`; with wgmma_loops, under "wgmma_loops", each innermost SASS loop that issues wgmmas
-    (HGMMA) as {"instructions", "spills": its local-memory loads and stores}. A Gluon kernel (gluon.jit) compiles from its own source; its tensor
-    descriptors' types name their shared layout ("tensordesc<bf16[64, 64],NVMMASharedLayout(...)>")."""
+    (HGMMA) as {"instructions", "spills": its local-memory loads and stores}. A Gluon kernel
+    (gluon.jit) compiles from its own source; its tensor descriptors' types name their shared layout
+    ("tensordesc<bf16[64, 64],NVMMASharedLayout(...)>")."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
