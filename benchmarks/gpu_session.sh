@@ -67,7 +67,9 @@
 #               gate_up; bits checked against the table's kernel; COLUMN_ARGS="--block-m 128": the 128-row tiles alone)
 #   sweep_gemm_large benchmarks/sweep_gemm.py --large (warp-specialised tiles vs the table at M = 256 .. 4096 on
 #               qkv and gate_up; bits checked against the table's kernel)
-#   sweep_gemm_m benchmarks/sweep_gemm.py --m $GEMM_M (default 128: the decode batch), each shape on its own
+#   sweep_gemm_m benchmarks/sweep_gemm.py --m $GEMM_M (default 128: the decode batch; a comma list: each M), each
+#               shape on its own; $GEMM_ARGS more (--shapes gate_up,lm_head: those alone; --rows128: the swapped
+#               Gluon tiles of 128 x rows alone against the table's config)
 set -uo pipefail
 OUT=${OUT:-/tmp/lockstep-out}
 mkdir -p "$OUT"
@@ -167,8 +169,8 @@ for stage in "$@"; do
                > "$OUT/sweep_gemm_column.log" 2>&1; tail -16 "$OUT/sweep_gemm_column.log" ;;
     sweep_gemm_large) link_lockstep; timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_gemm.py --large \
                > "$OUT/sweep_gemm_large.log" 2>&1; tail -40 "$OUT/sweep_gemm_large.log" ;;
-    sweep_gemm_m) link_lockstep; timeout 330 python3 benchmarks/sweep_gemm.py --m "${GEMM_M:-128}" > "$OUT/sweep_gemm_m.log" 2>&1
-             tail -8 "$OUT/sweep_gemm_m.log" ;;
+    sweep_gemm_m) link_lockstep; timeout 330 python3 benchmarks/sweep_gemm.py --m "${GEMM_M:-128}" ${GEMM_ARGS:-} \
+               > "$OUT/sweep_gemm_m.log" 2>&1; grep "current" "$OUT/sweep_gemm_m.log" | tail -12 ;;
     logp_support) link_lockstep; timeout 200 python3 -c "import lockstep.kernels as K, bench_logp as b; K.set_backend('triton'); print(b.support_table())" \
                > "$OUT/logp_support.log" 2>&1; tail -8 "$OUT/logp_support.log" ;;
     sweep_support) link_lockstep; timeout 300 python3 benchmarks/sweep_logp.py support > "$OUT/sweep_support.log" 2>&1

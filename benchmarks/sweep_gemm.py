@@ -2,6 +2,9 @@
 
     python benchmarks/sweep_gemm.py            # every M bucket
     python benchmarks/sweep_gemm.py --m 128    # one M, each shape (and the LM head) on its own
+    python benchmarks/sweep_gemm.py --m 96,112,120,128 --shapes gate_up,lm_head --rows128
+                                               # several Ms, some shapes, the swapped Gluon tiles of
+                                               # 128 x rows alone (against the table's config)
     python benchmarks/sweep_gemm.py --large    # warp-specialised tiles against the table at M = 256 ..
                                                # 4096 on qkv and gate_up, bits checked first
     python benchmarks/sweep_gemm.py --column [--block-m 64]
@@ -150,13 +153,23 @@ def large() -> None:
             print(f"M={m} qkv {r[0]:.3f} gate_up {r[1]:.3f}  {'TABLE ' if cfg == table else ''}{cfg}", flush=True)
 
 
-def per_shape(m: int) -> None:
+PER_SHAPE = [*QWEN3_8B_PROJECTIONS, ("lm_head", 4096, 151936)]
+
+
+def per_shape(m: int, shapes: list[str] | None = None, rows128: bool = False) -> None:
     """Every bucket's candidates at one M (and the swapped column tiles that hold its rows in one x
     tile), shape by shape (a table keyed by M alone takes one config for all of them: this says
-    what that costs each shape)."""
-    candidates = list(dict.fromkeys([*(c for _, cands in BUCKETS.values() for c in cands),
-                                     *(c for c in COLUMN_DECODE if c.block_m >= m)]))
-    for shape in [*QWEN3_8B_PROJECTIONS, ("lm_head", 4096, 151936)]:
+    what that costs each shape). shapes: those of PER_SHAPE alone; rows128: only the swapped Gluon
+    tiles of 128 rows of x (COLUMN_DECODE's last three) against the table's config."""
+    if rows128:
+        candidates = [c for c in COLUMN_DECODE if c.gluon and c.block_m == 128]
+    else:
+        candidates = list(dict.fromkeys([*(c for _, cands in BUCKETS.values() for c in cands),
+                                         *(c for c in COLUMN_DECODE if c.block_m >= m)]))
+    unknown = sorted(set(shapes or ()) - {s[0] for s in PER_SHAPE})
+    if unknown:
+        raise SystemExit(f"sweep_gemm.py --shapes: {unknown} unknown; valid: {', '.join(s[0] for s in PER_SHAPE)}")
+    for shape in [s for s in PER_SHAPE if shapes is None or s[0] in shapes]:
         current = mc.config_for(m, torch.bfloat16, shape[2])
         scored = [(ratio(cfg, [m], [shape]), cfg) for cfg in candidates]
         for r, cfg in scored:  # every reading in the log; the summary lines below are the tail
@@ -175,8 +188,10 @@ def main() -> None:
     if "--large" in sys.argv:
         large()
         return
-    if "--m" in sys.argv:
-        per_shape(int(sys.argv[sys.argv.index("--m") + 1]))
+    if "--m" in sys.argv:  # --m M[,M...] [--shapes NAME,...] [--rows128]
+        shapes = sys.argv[sys.argv.index("--shapes") + 1].split(",") if "--shapes" in sys.argv else None
+        for m in sys.argv[sys.argv.index("--m") + 1].split(","):
+            per_shape(int(m), shapes, "--rows128" in sys.argv)
         return
     for bound, (ms, candidates) in BUCKETS.items():
         scored = []

@@ -173,6 +173,14 @@ CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
 # output width is at least that and a multiple of that takes the first matching config instead of its
 # M bucket's (the bucket tables are keyed by M alone).
 WIDTH_CONFIGS_16BIT: list[tuple[int, int, int, int, GemmConfig]] = [
+    # A decode batch of 113-128 rows (the 8B rollout's steady batch: 128) against gate/up: the swapped
+    # Gluon tile of 128 rows of x on 64 weight rows (swap_ws.py), 3 slots of 3 K steps (216 KiB). At
+    # M = 128: 1.004x cuBLAS against 0.921x for the 128x256 tl tile below (H100, thirty-third session,
+    # sweep_gemm.py --m 128; its column sweep 0.987x), 0.934 / 0.945x in two calls against 0.864x
+    # (H200, eighteenth session); at 80 rows 0.711x against 0.914x (H100), so the rows below 113 keep
+    # the 128x256 tile.
+    (113, 128, 16384, 1, GemmConfig(block_m=128, block_n=64, group_m=1, num_warps=4, num_stages=3, swap_ab=True,
+                                    warp_specialize=True, gluon=True, steps_per_stage=3)),
     # A decode batch of 65-128 rows against gate/up (N = 24576): one 128x256 tile holds every row, so
     # each weight tile streams once; 0.864x cuBLAS against 0.795x for the bucket's 64x128 tiles (H200,
     # M = 128, benchmarks/sweep_gemm.py --m 128). At qkv's N = 6144 it would leave most SMs idle.
