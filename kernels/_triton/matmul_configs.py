@@ -177,8 +177,12 @@ WIDTH_CONFIGS_16BIT: list[tuple[int, int, int, int, GemmConfig]] = [
     # Gluon tile of 128 rows of x on 64 weight rows (swap_ws.py), 3 slots of 3 K steps (216 KiB). At
     # M = 128: 1.004x cuBLAS against 0.921x for the 128x256 tl tile below (H100, thirty-third session,
     # sweep_gemm.py --m 128; its column sweep 0.987x), 0.934 / 0.945x in two calls against 0.864x
-    # (H200, eighteenth session); at 80 rows 0.711x against 0.914x (H100), so the rows below 113 keep
-    # the 128x256 tile.
+    # (H200, eighteenth session). The fifty-second session (H100, sweep_gemm.py --m 80,96,112,120,128
+    # --shapes gate_up,lm_head --rows128, one call): gate/up 0.720 / 0.821 / 0.958 / 0.974 / 0.977x
+    # against the 128x256 tile's 0.924 / 0.914 / 0.913 at 80 / 96 / 112 (120, 128: this entry); the LM
+    # head's width (N = 151,936) takes this entry too: 0.864x against 0.977 at 112, 0.979 / 0.977 at
+    # 120 / 128 (0.975 for the 128x256 tile at 128, thirty-third session), hence from 113 rows. The 8B
+    # rollout (batch 128) with it: 12.72 s against 12.77 without, one A/B pair (RESULTS.md).
     (113, 128, 16384, 1, GemmConfig(block_m=128, block_n=64, group_m=1, num_warps=4, num_stages=3, swap_ab=True,
                                     warp_specialize=True, gluon=True, steps_per_stage=3)),
     # A decode batch of 65-128 rows against gate/up (N = 24576): one 128x256 tile holds every row, so
