@@ -69,7 +69,7 @@
 #               qkv and gate_up; bits checked against the table's kernel)
 #   sweep_gemm_m benchmarks/sweep_gemm.py --m $GEMM_M (default 128: the decode batch; a comma list: each M), each
 #               shape on its own; $GEMM_ARGS more (--shapes gate_up,lm_head: those alone; --rows128: the swapped
-#               Gluon tiles of 128 x rows alone against the table's config)
+#               tiles of 128 x rows alone against the table's config)
 set -uo pipefail
 OUT=${OUT:-/tmp/lockstep-out}
 mkdir -p "$OUT"

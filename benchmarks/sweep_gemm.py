@@ -3,8 +3,8 @@
     python benchmarks/sweep_gemm.py            # every M bucket
     python benchmarks/sweep_gemm.py --m 128    # one M, each shape (and the LM head) on its own
     python benchmarks/sweep_gemm.py --m 96,112,120,128 --shapes gate_up,lm_head --rows128
-                                               # several Ms, some shapes, the swapped Gluon tiles of
-                                               # 128 x rows alone (against the table's config)
+                                               # several Ms, some shapes, the swapped tiles of 128 x
+                                               # rows alone (against the table's config)
     python benchmarks/sweep_gemm.py --large    # warp-specialised tiles against the table at M = 256 ..
                                                # 4096 on qkv and gate_up, bits checked first
     python benchmarks/sweep_gemm.py --column [--block-m 64]
@@ -58,9 +58,13 @@ COLUMN_DECODE = [G(64, 64, 1, 4, 8, swap_ab=True), G(64, 128, 1, 4, 8, swap_ab=T
                  # ... in Gluon (swap_ws.py): a producer warp, one consumer warpgroup, `steps` K steps a barrier
                  *(G(64, 64, 1, 4, s, swap_ab=True, warp_specialize=True, gluon=True, steps_per_stage=steps)
                    for s, steps in ((10, 1), (12, 1), (5, 2), (6, 2), (3, 4))),
-                 # ... and up to 128 rows of x (the 8B rollout's decode batch): 24 KiB a step
+                 # ... and up to 128 rows of x (the 8B rollout's decode batch): 24 KiB a step. (3 slots of 3
+                 # steps, swept until the fifty-second session, never ran Gluon here: qkv's and gate/up's
+                 # K = 4,096 is 64 steps, no whole slots of 3, so `linear` ran its tile in the tl kernel,
+                 # the 3-stage tile below)
                  *(G(128, 64, 1, 4, s, swap_ab=True, warp_specialize=True, gluon=True, steps_per_stage=steps)
-                   for s, steps in ((8, 1), (4, 2), (3, 3)))]
+                   for s, steps in ((8, 1), (4, 2))),
+                 G(128, 64, 1, 4, 3, swap_ab=True)]  # the table's 113-128 rows at gate/up's width
 
 # Warp-specialised candidates (a producer warpgroup and two 64-row consumer warpgroups per
 # 128-row tile, persistent) for the buckets from 129 rows on, against the table's configs.
@@ -159,10 +163,10 @@ PER_SHAPE = [*QWEN3_8B_PROJECTIONS, ("lm_head", 4096, 151936)]
 def per_shape(m: int, shapes: list[str] | None = None, rows128: bool = False) -> None:
     """Every bucket's candidates at one M (and the swapped column tiles that hold its rows in one x
     tile), shape by shape (a table keyed by M alone takes one config for all of them: this says
-    what that costs each shape). shapes: those of PER_SHAPE alone; rows128: only the swapped Gluon
-    tiles of 128 rows of x (COLUMN_DECODE's last three) against the table's config."""
+    what that costs each shape). shapes: those of PER_SHAPE alone; rows128: only COLUMN_DECODE's
+    swapped tiles of 128 rows of x on 64 weight rows (tl and Gluon) against the table's config."""
     if rows128:
-        candidates = [c for c in COLUMN_DECODE if c.gluon and c.block_m == 128]
+        candidates = [c for c in COLUMN_DECODE if c.swap_ab and c.block_m == 128 and c.block_n == 64]
     else:
         candidates = list(dict.fromkeys([*(c for _, cands in BUCKETS.values() for c in cands),
                                          *(c for c in COLUMN_DECODE if c.block_m >= m)]))

@@ -174,7 +174,9 @@ CONFIGS_16BIT: list[tuple[int | None, GemmConfig]] = [
 # M bucket's (the bucket tables are keyed by M alone).
 WIDTH_CONFIGS_16BIT: list[tuple[int, int, int, int, GemmConfig]] = [
     # A decode batch of 113-128 rows (the 8B rollout's steady batch: 128) against gate/up: the swapped
-    # Gluon tile of 128 rows of x on 64 weight rows (swap_ws.py), 3 slots of 3 K steps (216 KiB). At
+    # tl tile of 128 rows of x on 64 weight rows at 3 stages (matmul._gemm_swap_kernel). It is what the
+    # sweeps' "Gluon 3 x 3" candidate (swap_ws.py, 3 slots of 3 K steps) ran at K = 4,096: 64 K steps
+    # are no whole slots of 3, so `linear` took that config's tile in the tl kernel (matmul._gemm). At
     # M = 128: 1.004x cuBLAS against 0.921x for the 128x256 tl tile below (H100, thirty-third session,
     # sweep_gemm.py --m 128; its column sweep 0.987x), 0.934 / 0.945x in two calls against 0.864x
     # (H200, eighteenth session). The fifty-second session (H100, sweep_gemm.py --m 80,96,112,120,128
@@ -183,8 +185,7 @@ WIDTH_CONFIGS_16BIT: list[tuple[int, int, int, int, GemmConfig]] = [
     # head's width (N = 151,936) takes this entry too: 0.864x against 0.977 at 112, 0.979 / 0.977 at
     # 120 / 128 (0.975 for the 128x256 tile at 128, thirty-third session), hence from 113 rows. The 8B
     # rollout (batch 128) with it: 12.72 s against 12.77 without, one A/B pair (RESULTS.md).
-    (113, 128, 16384, 1, GemmConfig(block_m=128, block_n=64, group_m=1, num_warps=4, num_stages=3, swap_ab=True,
-                                    warp_specialize=True, gluon=True, steps_per_stage=3)),
+    (113, 128, 16384, 1, GemmConfig(block_m=128, block_n=64, group_m=1, num_warps=4, num_stages=3, swap_ab=True)),
     # A decode batch of 65-128 rows against gate/up (N = 24576): one 128x256 tile holds every row, so
     # each weight tile streams once; 0.864x cuBLAS against 0.795x for the bucket's 64x128 tiles (H200,
     # M = 128, benchmarks/sweep_gemm.py --m 128). At qkv's N = 6144 it would leave most SMs idle.
