@@ -40,7 +40,8 @@ SPLIT_CONFIGS = [G(64, 128, 8, 4, 4), G(64, 64, 1, 4, 4, 2), G(64, 128, 1, 8, 4)
                  G(64, 128, 1, 4, 6, swap_ab=True),
                  # 128 or 256 rows of x on the N side: M = 128 and 256 (still unswapped, 0.68-0.86x); at 3
                  # stages (72 KiB of ring) the 128-row tile is `linear`'s gate/up entry at 113-128 rows
-                 G(128, 64, 1, 4, 4, swap_ab=True), G(128, 64, 1, 4, 3, swap_ab=True), G(256, 64, 1, 4, 3, swap_ab=True)]
+                 G(128, 64, 1, 4, 4, swap_ab=True), G(128, 64, 1, 4, 3, swap_ab=True),
+                 G(256, 64, 1, 4, 3, swap_ab=True)]
 SPLITS = [None, 1, 2, 4, 8]  # None: the launcher's choice; splits above the chunk count are skipped
 
 
