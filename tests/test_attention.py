@@ -413,6 +413,21 @@ def test_decode_split_two_ways_and_a_wave_of_walks_keep_the_bits(triton_backend,
         assert torch.equal(got, train), key
 
 
+def test_decode_split_merges_whole_steps_of_chunk_states_with_the_training_bits(triton_backend, monkeypatch):
+    """Pairs split two ways over 8, 10 and 17 chunks (the fixture's 32 keys each): the last program of
+    a pair merges the chunk states _MERGE_AHEAD at a time, whole steps without masks and a part-full
+    last step with them (_merge_chunk_states): every decoded row keeps training's bits."""
+    A = triton_backend
+    lens = [256, 300, 530]  # 8 chunks (one whole step), 10 (a whole step and 2), 17 (two and 1)
+    q, train, k_b, v_b, pos = _last_queries(lens)
+    grids = _recorded_decode_grids(A, monkeypatch)
+    monkeypatch.setitem(A.TUNING, "decode", {**A.TUNING["decode"], "PROGRAMS_PER_SM": 2, "SPLIT_PER_SM": 2,
+                                             "FLAT_STAGES": 5, "WALK_FILL": 0})
+    out = K.causal_attention(q, k_b, v_b, pos)[:, 0]
+    assert grids[-1][0] == 0 and grids[-1][1] >= 2, grids  # a grid of splits alone
+    assert torch.equal(out, train)
+
+
 def test_decode_grid_splits_its_last_waves_pairs_with_the_walks_bits(triton_backend, monkeypatch):
     """More (sequence, kv head) pairs than a wave's slots: the pairs of the last, part-full wave split
     across programs (SPLIT_TAIL) in the walks' launch, and every decoded row keeps the bits of the

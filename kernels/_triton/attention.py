@@ -681,6 +681,35 @@ def _keep_chunk_state(keep, m, l, acc, D: tl.constexpr, SWAP: tl.constexpr, MERG
 
 
 @triton.jit
+def _merge_state(part_m, part_l, part_acc, at, c, n_need, g, cols, m_t, l_t, acc_t, MERGE_ROWS: tl.constexpr,
+                 D: tl.constexpr, CLUSTER: tl.constexpr, MASKED: tl.constexpr):
+    """Chunk c's state (rows `at` of the states; CLUSTER > 1: CTA c's buffer) merged into the running
+    one (_merge_chunk_states' step). MASKED: c may be past the last chunk (n_need): its state is
+    loaded masked and its merge's result not kept (a select: exact); else every load is in bounds
+    and the merge's result is the new state."""
+    here = c < n_need
+    if CLUSTER > 1:
+        off_acc, off_m, off_l = _cluster_offsets(g, cols, D, False, MERGE_ROWS)
+        in_c, owner = here.to(tl.int32), tl.minimum(c, CLUSTER - 1)  # (a rank past the cluster: no address)
+        acc_c = _cluster.take(off_acc, in_c, owner)
+        m_c = _cluster.take(off_m, in_c, owner)
+        l_c = _cluster.take(off_l, in_c, owner)
+    else:
+        if MASKED:
+            acc_c = tl.load(part_acc + _tile_offsets(at, D, False), mask=here, other=0.0)
+            m_c = tl.load(part_m + at, mask=here, other=0.0)
+            l_c = tl.load(part_l + at, mask=here, other=0.0)
+        else:
+            acc_c = tl.load(part_acc + _tile_offsets(at, D, False))
+            m_c = tl.load(part_m + at)
+            l_c = tl.load(part_l + at)
+    m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_c, l_c, acc_c, False)
+    if MASKED:
+        m_n, l_n, acc_n = tl.where(here, m_n, m_t), tl.where(here, l_n, l_t), tl.where(here, acc_n, acc_t)
+    return m_n, l_n, acc_n
+
+
+@triton.jit
 def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
                         GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr, CLUSTER: tl.constexpr = 1,
                         rank=0):
@@ -719,23 +748,29 @@ def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_ne
     # 1 x 1k-32k). ptxas issues all of a step's loads before its first merge at 8 states a step, not at
     # 12, 16 or 32 (their loads go out in 3-4 groups, each waited for): more states a step saves no
     # round trip. benchmarks/probe_decode.py --merge-forms times the loop's loads and arithmetic apart.
+    # A whole step (every state of it exists) loads and merges without masks or selects: the same
+    # merges of the same values in ~215 instructions a step instead of 292 (ptxas, sm_90a, the split
+    # grid's kernel: the masked loads' zeroed registers, the selects and the per-state 64-bit
+    # compares and addresses gone; 144 registers against 164); a part-full step (the last; a
+    # cluster's only one) masks as before. A step's states lie at constant offsets from its first,
+    # the count in int32. (One loop with both bodies: a second loop for the part-full step had the
+    # compiler convert the running state's layout through shared memory, 32 barriers a step.)
+    # Unmeasured on a GPU when written (the fifty-second session): ab_decode.py against 2c73daf's
+    # module, bits compared, is its test.
+    n_need = n_need.to(tl.int32)
     for c_step in range(0, n_need, _MERGE_AHEAD):
-        for i in tl.static_range(_MERGE_AHEAD):
-            c = c_step + i
-            here = c < n_need
-            if CLUSTER > 1:
-                off_acc, off_m, off_l = _cluster_offsets(g, cols, D, False, MERGE_ROWS)
-                in_c, owner = here.to(tl.int32), tl.minimum(c, CLUSTER - 1)  # (a rank past the cluster: no address)
-                acc_c = _cluster.take(off_acc, in_c, owner)
-                m_c = _cluster.take(off_m, in_c, owner)
-                l_c = _cluster.take(off_l, in_c, owner)
-            else:
-                at = first_g + c * GROUP
-                acc_c = tl.load(part_acc + _tile_offsets(at, D, False), mask=here, other=0.0)
-                m_c = tl.load(part_m + at, mask=here, other=0.0)
-                l_c = tl.load(part_l + at, mask=here, other=0.0)
-            m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_c, l_c, acc_c, False)
-            m_t, l_t, acc_t = tl.where(here, m_n, m_t), tl.where(here, l_n, l_t), tl.where(here, acc_n, acc_t)
+        step_g = first_g + c_step * GROUP
+        whole = False
+        if CLUSTER == 1:
+            whole = c_step + _MERGE_AHEAD <= n_need
+        if whole:
+            for i in tl.static_range(_MERGE_AHEAD):
+                m_t, l_t, acc_t = _merge_state(part_m, part_l, part_acc, step_g + i * GROUP, c_step + i, n_need, g,
+                                               cols, m_t, l_t, acc_t, MERGE_ROWS, D, CLUSTER, False)
+        else:
+            for i in tl.static_range(_MERGE_AHEAD):
+                m_t, l_t, acc_t = _merge_state(part_m, part_l, part_acc, step_g + i * GROUP, c_step + i, n_need, g,
+                                               cols, m_t, l_t, acc_t, MERGE_ROWS, D, CLUSTER, True)
     # (a cluster's CTAs each store every row's lse: the same bits, from the same merges of m and l)
     _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False, cols)
 
