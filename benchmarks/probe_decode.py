@@ -143,7 +143,8 @@ def _traced_split_kernel(q, k, v, out, lse, part_m, part_l, part_acc, tickets, t
 def _merge_form(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
                 GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr, FORM: tl.constexpr):
     """_merge_chunk_states' loop (the same rows, steps of _MERGE_AHEAD states, the same store) with its
-    body cut to one part (the module docstring's --merge-forms 1-3). Timing only."""
+    body cut to one part (the module docstring's --merge-forms 1-3), every step masked (as the merge
+    ran before its whole steps went unmasked, 4af830d). Timing only."""
     g = tl.arange(0, MERGE_ROWS)
     tok_g, head_g = A._rows(g, begin, 1, kv_head, GROUP)
     first_g = (tail * n_chunks).to(tl.int64) * GROUP + g % GROUP
