@@ -582,10 +582,12 @@ decode = {f"{'swapped' if swap else 'padded'}{kind}{' deep' if deep else ''}":
           for deep in ((False, True) if swap and kind == " in registers" else (False,))}
 # a grid of splits alone on its deeper ring (" one chunk": of sequences of no more chunks than a pair has
 # programs; ", one page a row": over a linear K/V, whose one-entry page table the launch specialises as
-# the constant 1)
+# the constant 1; ", clusters of C": each pair's programs a thread-block cluster, _cluster.py)
 for name, variant in (("swapped split deep", {}), ("swapped split deep one chunk", dict(ONE_CHUNK=True)),
                       ("swapped split deep, one page a row", dict(PAGE_SHIFT=A.decode_page_shift(1 << 30),
-                                                                  table_width=1))):
+                                                                  table_width=1)),
+                      *((f"swapped split deep one chunk, clusters of {c}", dict(ONE_CHUNK=True, CLUSTER=c))
+                        for c in (2, 4, 8))):
     decode[name] = compile_sm90(
         A._decode_chunk_kernel, types, {**dict(ROWS=16, MERGE_ROWS=4, WALKS=False, SPLITS=True, FROM_LENS=True,
                                                PREFETCH=cfg["PREFETCH"], SWAP=True, PAGE_SHIFT=A.decode_page_shift(16),

@@ -757,18 +757,22 @@ def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_ne
     # compiler convert the running state's layout through shared memory, 32 barriers a step.)
     # Unmeasured on a GPU when written (the fifty-second session): ab_decode.py against 2c73daf's
     # module, bits compared, is its test.
+    # A cluster's merge is one step of its CTAs' states (n_need <= CLUSTER <= CLUSTER_MAX), not of
+    # _MERGE_AHEAD: a cluster of 2 or 4 merged 6 or 4 states past its last, each a no-op (their
+    # selects kept the running state), in 403 or 291 instructions against 8 states' 308 at 8 (ptxas).
+    STEP: tl.constexpr = CLUSTER if CLUSTER > 1 else _MERGE_AHEAD
     n_need = n_need.to(tl.int32)
-    for c_step in range(0, n_need, _MERGE_AHEAD):
+    for c_step in range(0, n_need, STEP):
         step_g = first_g + c_step * GROUP
         whole = False
         if CLUSTER == 1:
-            whole = c_step + _MERGE_AHEAD <= n_need
+            whole = c_step + STEP <= n_need
         if whole:
-            for i in tl.static_range(_MERGE_AHEAD):
+            for i in tl.static_range(STEP):
                 m_t, l_t, acc_t = _merge_state(part_m, part_l, part_acc, step_g + i * GROUP, c_step + i, n_need, g,
                                                cols, m_t, l_t, acc_t, MERGE_ROWS, D, CLUSTER, False)
         else:
-            for i in tl.static_range(_MERGE_AHEAD):
+            for i in tl.static_range(STEP):
                 m_t, l_t, acc_t = _merge_state(part_m, part_l, part_acc, step_g + i * GROUP, c_step + i, n_need, g,
                                                cols, m_t, l_t, acc_t, MERGE_ROWS, D, CLUSTER, True)
     # (a cluster's CTAs each store every row's lse: the same bits, from the same merges of m and l)
