@@ -265,7 +265,7 @@ _SUM_COLS = tl.constexpr(16)  # width of the ones matrix that computes row sums 
 # mma.sync below it: a different instruction (tests/test_attention.py compares what each kernel runs)
 _WGMMA_M = 64
 _SUM_ROWS = tl.constexpr(_WGMMA_M)  # swapped tiles: height of the ones matrix (the row-sum dot's M side)
-_MERGE_AHEAD = tl.constexpr(8)  # chunk states a split decode's merge loads before merging the first of them
+_MERGE_AHEAD = tl.constexpr(8)  # chunk states a ticketed split's merge loads before merging the first
 _LOG2E = 1.4426950408889634
 
 
