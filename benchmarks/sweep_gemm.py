@@ -170,9 +170,6 @@ def per_shape(m: int, shapes: list[str] | None = None, rows128: bool = False) ->
     else:
         candidates = list(dict.fromkeys([*(c for _, cands in BUCKETS.values() for c in cands),
                                          *(c for c in COLUMN_DECODE if c.block_m >= m)]))
-    unknown = sorted(set(shapes or ()) - {s[0] for s in PER_SHAPE})
-    if unknown:
-        raise SystemExit(f"sweep_gemm.py --shapes: {unknown} unknown; valid: {', '.join(s[0] for s in PER_SHAPE)}")
     for shape in [s for s in PER_SHAPE if shapes is None or s[0] in shapes]:
         current = mc.config_for(m, torch.bfloat16, shape[2])
         scored = [(ratio(cfg, [m], [shape]), cfg) for cfg in candidates]
@@ -194,6 +191,9 @@ def main() -> None:
         return
     if "--m" in sys.argv:  # --m M[,M...] [--shapes NAME,...] [--rows128]
         shapes = sys.argv[sys.argv.index("--shapes") + 1].split(",") if "--shapes" in sys.argv else None
+        unknown = sorted(set(shapes or ()) - {s[0] for s in PER_SHAPE})
+        if unknown:
+            raise SystemExit(f"sweep_gemm.py --shapes: {unknown} unknown; valid: {', '.join(s[0] for s in PER_SHAPE)}")
         for m in sys.argv[sys.argv.index("--m") + 1].split(","):
             per_shape(int(m), shapes, "--rows128" in sys.argv)
         return

@@ -710,6 +710,17 @@ def _merge_state(part_m, part_l, part_acc, at, c, n_need, g, cols, m_t, l_t, acc
 
 
 @triton.jit
+def _merge_step(part_m, part_l, part_acc, step_g, c_step, n_need, g, cols, m_t, l_t, acc_t, GROUP: tl.constexpr,
+                MERGE_ROWS: tl.constexpr, D: tl.constexpr, CLUSTER: tl.constexpr, STEP: tl.constexpr,
+                MASKED: tl.constexpr):
+    """Chunks c_step .. c_step + STEP - 1 merged in order (_merge_state each; their rows from step_g)."""
+    for i in tl.static_range(STEP):
+        m_t, l_t, acc_t = _merge_state(part_m, part_l, part_acc, step_g + i * GROUP, c_step + i, n_need, g, cols, m_t,
+                                       l_t, acc_t, MERGE_ROWS, D, CLUSTER, MASKED)
+    return m_t, l_t, acc_t
+
+
+@triton.jit
 def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_need, begin, kv_head, n_heads,
                         GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, D: tl.constexpr, CLUSTER: tl.constexpr = 1,
                         rank=0):
@@ -768,13 +779,11 @@ def _merge_chunk_states(part_m, part_l, part_acc, out, lse, tail, n_chunks, n_ne
         if CLUSTER == 1:
             whole = c_step + STEP <= n_need
         if whole:
-            for i in tl.static_range(STEP):
-                m_t, l_t, acc_t = _merge_state(part_m, part_l, part_acc, step_g + i * GROUP, c_step + i, n_need, g,
-                                               cols, m_t, l_t, acc_t, MERGE_ROWS, D, CLUSTER, False)
+            m_t, l_t, acc_t = _merge_step(part_m, part_l, part_acc, step_g, c_step, n_need, g, cols, m_t, l_t, acc_t,
+                                          GROUP, MERGE_ROWS, D, CLUSTER, STEP, False)
         else:
-            for i in tl.static_range(STEP):
-                m_t, l_t, acc_t = _merge_state(part_m, part_l, part_acc, step_g + i * GROUP, c_step + i, n_need, g,
-                                               cols, m_t, l_t, acc_t, MERGE_ROWS, D, CLUSTER, True)
+            m_t, l_t, acc_t = _merge_step(part_m, part_l, part_acc, step_g, c_step, n_need, g, cols, m_t, l_t, acc_t,
+                                          GROUP, MERGE_ROWS, D, CLUSTER, STEP, True)
     # (a cluster's CTAs each store every row's lse: the same bits, from the same merges of m and l)
     _store_rows(out, lse, tok_g * n_heads + head_g, g < GROUP, m_t, l_t, acc_t, D, False, cols)
 
