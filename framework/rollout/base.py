@@ -93,9 +93,6 @@ class RolloutEngine(abc.ABC):
         return device_memory()
 
 
-WAKE_ORDER = ("weights", "kv_cache")
-
-
 def device_memory() -> dict:
     """GiB in use on this process's GPU (all processes), allocated by this process now, and its peak
     allocation since the last call; {} without a GPU."""
