@@ -182,6 +182,11 @@ def per_shape(m: int, shapes: list[str] | None = None, rows128: bool = False) ->
 
 
 def main() -> None:
+    # --shapes' names checked before the backend is set up (on a host without a GPU that fails first)
+    shapes = sys.argv[sys.argv.index("--shapes") + 1].split(",") if "--shapes" in sys.argv else None
+    unknown = sorted(set(shapes or ()) - {s[0] for s in PER_SHAPE})
+    if unknown:
+        raise SystemExit(f"sweep_gemm.py --shapes: {unknown} unknown; valid: {', '.join(s[0] for s in PER_SHAPE)}")
     K.set_backend("triton")
     if "--column" in sys.argv:  # --column [--block-m 64]: only the tiles of that many x rows, at M <= it
         column(int(sys.argv[sys.argv.index("--block-m") + 1]) if "--block-m" in sys.argv else None)
@@ -190,10 +195,6 @@ def main() -> None:
         large()
         return
     if "--m" in sys.argv:  # --m M[,M...] [--shapes NAME,...] [--rows128]
-        shapes = sys.argv[sys.argv.index("--shapes") + 1].split(",") if "--shapes" in sys.argv else None
-        unknown = sorted(set(shapes or ()) - {s[0] for s in PER_SHAPE})
-        if unknown:
-            raise SystemExit(f"sweep_gemm.py --shapes: {unknown} unknown; valid: {', '.join(s[0] for s in PER_SHAPE)}")
         for m in sys.argv[sys.argv.index("--m") + 1].split(","):
             per_shape(int(m), shapes, "--rows128" in sys.argv)
         return
