@@ -185,6 +185,9 @@ def main() -> None:
     # --shapes' names checked before the backend is set up (on a host without a GPU that fails first)
     shapes = sys.argv[sys.argv.index("--shapes") + 1].split(",") if "--shapes" in sys.argv else None
     unknown = sorted(set(shapes or ()) - {s[0] for s in PER_SHAPE})
+    if ("--shapes" in sys.argv or "--rows128" in sys.argv) and "--m" not in sys.argv:
+        raise SystemExit("sweep_gemm.py: --shapes and --rows128 go with --m (the per-shape sweep); the other "
+                         "modes run their own shapes")
     if unknown:
         raise SystemExit(f"sweep_gemm.py --shapes: {unknown} unknown; valid: {', '.join(s[0] for s in PER_SHAPE)}")
     K.set_backend("triton")
